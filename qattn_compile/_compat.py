@@ -1,0 +1,33 @@
+"""Every private torch import qattn makes, in one place (they move between releases)."""
+
+from __future__ import annotations
+
+
+def compile_with_inductor(gm, example_inputs, config_patches: dict | None = None):
+    """Hand an FX graph to TorchInductor (``compile_fx``) with per-call config patches."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=config_patches or {})
+
+
+def inductor_mode_options(mode: str | None) -> dict:
+    """Inductor config patches of a ``torch.compile`` mode name (e.g. ``reduce-overhead``)."""
+    if not mode or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def list_backends() -> list[str]:
+    """Names of the registered dynamo backends (entry points included)."""
+    import torch._dynamo
+
+    return torch._dynamo.list_backends(exclude_tags=())
+
+
+def reset_dynamo() -> None:
+    """Forget every compiled frame (so a model can be compiled again with another backend)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

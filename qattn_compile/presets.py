@@ -1,0 +1,190 @@
+"""Presets: the attention methods a policy can name, their options and defaults.
+
+Every preset's math is stated here once; the reference implementations
+(:mod:`qattn_compile.reference`) and the Triton kernels (:mod:`qattn_compile.kernels`) both
+implement exactly this text. Notation, per (batch, query head): Q ``[Lq, D]``, K ``[Lkv, D]``,
+V ``[Lkv, Dv]``, softmax scale ``τ`` (default ``1/sqrt(D)``), mask ``M`` (bool: True = attend;
+float: added to the scores; causal: key j visible to query i iff ``j <= i``, top-left aligned
+as in :func:`torch.nn.functional.scaled_dot_product_attention`). A fully masked row outputs 0.
+Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compile.blocks`.
+
+``flash``
+    FlashAttention: exact softmax attention in the input dtype with fp32 accumulation.
+``int_flash``
+    INT-FlashAttention. Q, K: symmetric INT8 per token (scale = amax/127). Scores
+    ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m, ``P̂ = round(127·exp(S − m))`` in
+    [0, 127] and ``l = Σ P̂`` (summed from the quantized P). V: symmetric INT8 per tensor
+    (paper) or per block of V tokens (``v_granularity: block``). ``O = (P̂·V̂)·s_v / l``.
+``fmha_int8``
+    INT8 FMHA. Q, K, V: symmetric INT8 per tensor with scales α/127 (α = amax, dynamic, or
+    calibrated, static). ``P̂ = clamp(round(255·exp(S − m)), 0, 255)`` (UINT8 semantics),
+    ``l = Σ P̂``, ``O = (P̂·V̂)·s_v / l``; with ``quantize_output`` O is re-quantized to INT8
+    with α_o/127 (α_o = amax(O), or calibrated) and dequantized.
+``sage2_8b``
+    SageAttention2, 8-bit. K smoothing: ``K ← K − mean_tokens(K)`` per channel (exact: it
+    shifts every score of a row by one constant). Q smoothing: per block of SMOOTH_Q_BLOCK
+    query tokens, ``Q ← Q − q̄`` and ``ΔS = q̄·Kᵀ`` (fp32, on the smoothed K) is added back
+    to the scores. Q, K: symmetric INT8 (amax/127) per ``qk_granularity``. ``P̃ = exp(S − m)``,
+    ``l = Σ P̃`` (fp32, before quantization), ``P̂ = fp8_e4m3(448·P̃)``. V: FP8 e4m3 per
+    channel (scale = amax over tokens / 448), optionally smoothed (``V ← V − mean_tokens(V)``,
+    the mean added back to O). ``O = (P̂·V̂)/448·s_v / l`` with fp32 accumulation.
+``sage2_4b``
+    As ``sage2_8b`` with Q, K symmetric INT4 (values in [−7, 7], scale amax/7), stored
+    packed two per byte and multiplied with the INT8 dot.
+``turbo``
+    TurboAttention. FlashQ: Q, K, V symmetric INT8 per block (QUANT_BLOCK_Q query tokens,
+    QUANT_BLOCK_KV key/value tokens). SAS softmax: ``exp(x)`` for ``x = S − m <= 0`` is
+    ``2^y`` with ``y = x·log2(e)``, split into the integer part (built as a power of two)
+    and the fractional part (degree-3 polynomial, coefficients in
+    :mod:`qattn_compile.reference.sas`); ``x < sas_threshold`` gives 0 (and a tile whose
+    scores are all below it is skipped). ``P̂ = round(127·P)`` (INT8), ``l = Σ P̂``,
+    ``O = (P̂·V̂)·s_v / l``. With ``exp: hardware`` the exact exp is used instead of SAS.
+``fp8``
+    FlashAttention-3-style FP8: Q, K, V FP8 e4m3 (scale amax/448) per tensor or per block,
+    ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
+``none``
+    Leave the site as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import PolicyError
+
+
+class PresetOptions(BaseModel):
+    """Base of every preset's options: immutable, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_json(self) -> str:
+        """Canonical JSON text of these options (what the graph op carries)."""
+        return self.model_dump_json()
+
+
+class NoOptions(PresetOptions):
+    """Presets without options (``none``, ``flash``)."""
+
+
+class IntFlashOptions(PresetOptions):
+    """Options of ``int_flash`` (INT-FlashAttention)."""
+
+    v_granularity: Literal["tensor", "block"] = Field(
+        "tensor", description="INT8 V scale per tensor (paper) or per block of V tokens."
+    )
+
+
+class FmhaInt8Options(PresetOptions):
+    """Options of ``fmha_int8`` (INT8 FMHA)."""
+
+    scales: Literal["dynamic", "static"] = Field(
+        "dynamic", description="α from each call's amax (dynamic) or from a calibration file."
+    )
+    calibration: str | None = Field(
+        None, description="Path of a scales file written by `qattn calibrate` (static mode)."
+    )
+    quantize_output: bool = Field(False, description="Re-quantize O to INT8 with α_o/127.")
+
+    @model_validator(mode="after")
+    def _static_needs_calibration(self) -> "FmhaInt8Options":
+        if self.scales == "static" and not self.calibration:
+            raise ValueError("scales: static needs `calibration: <path to scales file>`")
+        return self
+
+
+class Sage2Options(PresetOptions):
+    """Options of ``sage2_8b`` and ``sage2_4b`` (SageAttention2)."""
+
+    qk_granularity: Literal["warp", "block", "token"] = Field(
+        "warp", description="Tokens per Q/K scale (see qattn_compile.blocks)."
+    )
+    smooth_k: bool = Field(True, description="Subtract K's per-channel token mean.")
+    smooth_q: bool = Field(True, description="Subtract Q's per-block mean, add ΔS back.")
+    smooth_v: bool = Field(False, description="Subtract V's channel mean, add it back to O.")
+
+
+class TurboOptions(PresetOptions):
+    """Options of ``turbo`` (TurboAttention)."""
+
+    exp: Literal["sas", "hardware"] = Field(
+        "sas", description="SAS polynomial exp (paper) or the hardware exp."
+    )
+    sas_threshold: float = Field(-6.0, lt=0, description="Scores below max+threshold give P=0.")
+
+
+class Fp8Options(PresetOptions):
+    """Options of ``fp8`` (FlashAttention-3-style FP8)."""
+
+    granularity: Literal["tensor", "block"] = Field(
+        "tensor", description="FP8 scale per tensor or per block of tokens."
+    )
+
+
+PRESET_OPTIONS: dict[str, type[PresetOptions]] = {
+    "none": NoOptions,
+    "flash": NoOptions,
+    "int_flash": IntFlashOptions,
+    "fmha_int8": FmhaInt8Options,
+    "sage2_8b": Sage2Options,
+    "sage2_4b": Sage2Options,
+    "turbo": TurboOptions,
+    "fp8": Fp8Options,
+}
+PRESET_NAMES: tuple[str, ...] = tuple(PRESET_OPTIONS)
+QUANTIZED_PRESETS: tuple[str, ...] = tuple(p for p in PRESET_NAMES if p not in ("none", "flash"))
+
+PRESET_METHODS: dict[str, str] = {
+    "none": "leave the original attention untouched",
+    "flash": "FlashAttention (bf16/fp16, exact)",
+    "int_flash": "INT-FlashAttention (INT8 Q/K/P/V)",
+    "fmha_int8": "INT8 FMHA (INT8 Q/K/V, UINT8 P)",
+    "sage2_8b": "SageAttention2 8-bit (smoothed INT8 Q/K, FP8 P/V)",
+    "sage2_4b": "SageAttention2 4-bit (smoothed INT4 Q/K, FP8 P/V)",
+    "turbo": "TurboAttention (FlashQ INT8 + SAS softmax)",
+    "fp8": "FlashAttention-3-style FP8",
+}
+
+
+def describe_fields(preset: str) -> str:
+    """One line per option of ``preset``: ``name (default): description``."""
+    fields = PRESET_OPTIONS[preset].model_fields
+    if not fields:
+        return "(no options)"
+    return "; ".join(
+        f"{n} (default {f.default!r}): {(f.description or '').rstrip('.')}" for n, f in fields.items()
+    )
+
+
+def resolve_options(preset: str, options: dict | PresetOptions | None = None) -> PresetOptions:
+    """Validate ``options`` for ``preset`` and fill in the defaults.
+
+    Raises :class:`PolicyError` naming the preset, the offending field and what is allowed.
+    """
+    if preset not in PRESET_OPTIONS:
+        raise PolicyError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)}")
+    cls = PRESET_OPTIONS[preset]
+    if isinstance(options, PresetOptions):
+        if not isinstance(options, cls):
+            raise PolicyError(
+                f"options of type {type(options).__name__} do not belong to preset {preset!r}"
+            )
+        return options
+    try:
+        return cls(**(options or {}))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'field `' + '.'.join(str(p) for p in e['loc']) + '`' if e['loc'] else 'options'}: "
+            f"{e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
+        raise PolicyError(
+            f"bad options for preset {preset!r}: {problems}. Allowed: {describe_fields(preset)}"
+        ) from None
+
+
+def options_from_json(preset: str, text: str) -> PresetOptions:
+    """Inverse of :meth:`PresetOptions.to_json` (used by the graph op)."""
+    return PRESET_OPTIONS[preset].model_validate_json(text)

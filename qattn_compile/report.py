@@ -1,0 +1,69 @@
+"""The per-site report: what qattn decided for every attention site, and why."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REWRITTEN = "rewritten"
+LEFT_ALONE = "left_alone"  # the policy chose `none` or an ignore pattern matched
+FALLBACK = "fallback"  # the policy chose a preset but the site cannot be served
+
+
+@dataclass
+class SiteReport:
+    """One attention site's decision; serialisable to JSON."""
+
+    fqn: str
+    module_class: str | None
+    pattern: str
+    source: str | None
+    shapes: dict
+    dtype: str | None
+    mask_kind: str
+    gqa_group: int | None
+    preset: str
+    options: dict
+    rule: str
+    rule_index: int | None
+    status: str
+    reason: str
+    execution: str | None = None  # "triton" or "reference" for rewritten sites
+    graph_index: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def write_report(path: str | Path, reports: list[SiteReport], unmatched_rules: list[str]) -> None:
+    """Write the sites and the rules that matched nothing as JSON to ``path``."""
+    payload = {
+        "sites": [r.to_dict() for r in reports],
+        "counts": count_by_status(reports),
+        "unmatched_rules": unmatched_rules,
+    }
+    Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def count_by_status(reports: list[SiteReport]) -> dict[str, int]:
+    counts = {REWRITTEN: 0, LEFT_ALONE: 0, FALLBACK: 0}
+    for r in reports:
+        counts[r.status] += 1
+    return counts
+
+
+def format_table(reports: list[SiteReport]) -> str:
+    """A fixed-width text table: FQN, class, preset, status, and the deciding rule or reason."""
+    rows = [("site (module FQN)", "class", "preset", "status", "rule / reason")]
+    for r in reports:
+        why = f"by {r.rule}" if r.status == REWRITTEN else r.reason
+        rows.append((r.fqn or "(top level)", r.module_class or "-", r.preset, r.status, why))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [row[c].ljust(widths[c]) for c in range(4)] + [row[4]]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  ------")
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""The dynamo backend: registration, options, SDPA rewrite, report, fallback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qattn_compile
+from qattn_compile import _compat
+from qattn_compile.metrics import compare
+from qattn_compile.models import tiny_bert, tiny_llama
+from qattn_compile.presets import QUANTIZED_PRESETS
+from qattn_compile.report import FALLBACK, LEFT_ALONE, REWRITTEN
+
+# Expected end-to-end closeness on the tiny random models (cosine vs the uncompiled model).
+COS_FLOOR = {"flash": 0.9999, "sage2_4b": 0.98}
+DEFAULT_COS_FLOOR = 0.995
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    _compat.reset_dynamo()
+    yield
+    _compat.reset_dynamo()
+
+
+def _compile_run(bundle, **backend_options):
+    be = qattn_compile.backend(**backend_options)
+    out = bundle.run(torch.compile(bundle.model, backend=be))
+    return be, out
+
+
+def test_backend_registered_via_entry_point_without_import():
+    code = (
+        "import sys, torch\n"
+        "assert 'qattn' in torch._dynamo.list_backends(exclude_tags=())\n"
+        "assert 'qattn_compile' not in sys.modules\n"
+        "f = torch.compile(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q),"
+        " backend='qattn', options={'compiler': 'eager'})\n"
+        "q = torch.randn(1, 2, 8, 16)\n"
+        "out = f(q)\n"
+        "import qattn_compile\n"
+        "sites = qattn_compile.last_backend().site_reports\n"
+        "assert [s.status for s in sites] == ['rewritten'], sites\n"
+        "ref = torch.nn.functional.scaled_dot_product_attention(q, q, q)\n"
+        "assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.999\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"polcy": "x.yaml"}, r"unknown qattn backend option\(s\) \['polcy'\].*policy"),
+        ({"compiler": "tvm"}, "allowed: inductor, eager"),
+        ({"strict": "yes"}, "`strict` must be true or false"),
+    ],
+)
+def test_bad_options_are_clear_errors(options, message):
+    with pytest.raises(qattn_compile.OptionsError, match=message):
+        qattn_compile.backend(**options)
+
+
+def test_options_dict_through_torch_compile_is_validated():
+    f = torch.compile(lambda x: x + 1, backend="qattn", options={"bogus": 1})
+    with pytest.raises(Exception, match="unknown qattn backend option"):
+        f(torch.randn(3))
+
+
+@pytest.mark.parametrize("preset", ["flash", *QUANTIZED_PRESETS])
+def test_tiny_llama_every_site_rewritten(preset):
+    bundle = tiny_llama()
+    reference = bundle.run()
+    be, out = _compile_run(bundle, policy={"qattn": 1, "default": preset}, compiler="eager")
+    assert [r.fqn for r in be.site_reports] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all(r.status == REWRITTEN and r.preset == preset for r in be.site_reports)
+    assert all(r.module_class == "LlamaAttention" and r.source for r in be.site_reports)
+    assert compare(out, reference)["cos"] > COS_FLOOR.get(preset, DEFAULT_COS_FLOOR)
+
+
+@pytest.mark.parametrize("preset", ["flash", "int_flash", "sage2_8b", "sage2_4b"])
+def test_tiny_bert_with_padding_mask(preset):
+    bundle = tiny_bert()
+    reference = bundle.run()
+    be, out = _compile_run(bundle, policy={"qattn": 1, "default": preset}, compiler="eager")
+    assert len(be.site_reports) == 2
+    assert all(r.status == REWRITTEN for r in be.site_reports)
+    assert all(r.mask_kind in ("bool", "additive") for r in be.site_reports)
+    assert compare(out, reference)["cos"] > COS_FLOOR.get(preset, DEFAULT_COS_FLOOR)
+
+
+def test_rules_choose_per_layer_and_report_is_written(tmp_path):
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "qattn: 1\ndefault: int_flash\nrules:\n"
+        "  - match: '*layers.1.self_attn'\n    preset: none\n"
+        "  - match: '*nonexistent*'\n    preset: fp8\n"
+    )
+    report = tmp_path / "sites.json"
+    be, _ = _compile_run(tiny_llama(), policy=str(policy), compiler="eager", report=str(report))
+    statuses = {r.fqn: (r.status, r.preset) for r in be.site_reports}
+    assert statuses == {
+        "model.layers.0.self_attn": (REWRITTEN, "int_flash"),
+        "model.layers.1.self_attn": (LEFT_ALONE, "none"),
+    }
+    data = json.loads(report.read_text())
+    assert data["counts"] == {"rewritten": 1, "left_alone": 1, "fallback": 0}
+    assert any("*nonexistent*" in line for line in data["unmatched_rules"])
+
+
+class DropoutAttention(nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = DropoutAttention()
+
+    def forward(self, q):
+        return self.attn(q)
+
+
+def test_unsupported_site_falls_back_with_reason():
+    be = qattn_compile.backend({"qattn": 1, "default": "int_flash"}, compiler="eager")
+    q = torch.randn(1, 2, 8, 16)
+    torch.compile(Wrapper(), backend=be)(q)
+    (site,) = be.site_reports
+    assert site.fqn == "attn" and site.status == FALLBACK and "dropout_p=0.1" in site.reason
+
+
+def test_unsupported_site_with_on_unsupported_error_raises():
+    policy = {"qattn": 1, "default": "int_flash", "on_unsupported": "error"}
+    be = qattn_compile.backend(policy, compiler="eager")
+    with pytest.raises(Exception, match=r"attention site attn .*dropout_p=0.1.*on_unsupported: error"):
+        torch.compile(Wrapper(), backend=be)(torch.randn(1, 2, 8, 16))
+
+
+def test_strict_option_makes_unmatched_rule_an_error():
+    policy = {"qattn": 1, "default": "int_flash", "rules": [{"match": "*self_atn", "preset": "fp8"}]}
+    be = qattn_compile.backend(policy, compiler="eager", strict=True)
+    bundle = tiny_llama()
+    with pytest.raises(Exception, match=r"\*self_atn"):
+        bundle.run(torch.compile(bundle.model, backend=be))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_bundle", [tiny_llama, tiny_bert], ids=["llama", "bert"])
+def test_inductor_compiles_rewritten_graph(make_bundle):
+    bundle = make_bundle()
+    reference = bundle.run()
+    be, out = _compile_run(bundle, policy={"qattn": 1, "default": "sage2_8b"})
+    assert all(r.status == REWRITTEN for r in be.site_reports) and len(be.site_reports) == 2
+    assert compare(out, reference)["cos"] > DEFAULT_COS_FLOOR
