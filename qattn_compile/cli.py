@@ -44,6 +44,8 @@ def _preset_table(bundle, reference, presets) -> str:
 
 
 def cmd_demo(args) -> int:
+    policy = args.policy or str(DEFAULT_POLICY_PATH)
+    be = make_backend(policy, compiler=args.compiler)  # validates the policy before any work
     spec = args.model or (MINILM if minilm_available() else "tiny-llama")
     if args.model is None and spec != MINILM:
         print(f"({MINILM} is not installed: using a tiny random Llama instead)")
@@ -56,8 +58,6 @@ def cmd_demo(args) -> int:
         reference = bundle.run()
     if dtype != torch.float32:
         bundle.model.to(dtype)
-    policy = args.policy or str(DEFAULT_POLICY_PATH)
-    be = make_backend(policy, compiler=args.compiler)
     compiled = torch.compile(bundle.model, backend=be)
     with step(f"compiling with backend=qattn (compiler: {args.compiler}) and running"):
         out = bundle.run(compiled)
