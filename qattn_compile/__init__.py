@@ -1,25 +1,37 @@
 """qattn: a torch.compile backend that makes attention run as quantized flash attention.
 
 ``torch.compile(model, backend="qattn", options={"policy": "policy.yaml"})``
+
+The public names below load on first use (PEP 562), so that importing the package — which
+torch does at start-up for the ``TORCH_LOGS`` hook, see :mod:`qattn_compile._logging` — is cheap.
 """
 
-from . import ops  # noqa: F401  (registers torch.ops.qattn.*)
-from .backend import backend, last_backend
-from .errors import OptionsError, PolicyError, QattnError, UnsupportedSiteError
-from .functional import attention
-from .policy import Policy, load_policy
-from .presets import PRESET_NAMES
+from importlib import import_module
 
-__all__ = [
-    "PRESET_NAMES",
-    "OptionsError",
-    "Policy",
-    "PolicyError",
-    "QattnError",
-    "UnsupportedSiteError",
-    "attention",
-    "backend",
-    "last_backend",
-    "load_policy",
-]
+_PUBLIC = {
+    "attention": "functional",
+    "backend": "backend",
+    "last_backend": "backend",
+    "Policy": "policy",
+    "load_policy": "policy",
+    "PRESET_NAMES": "presets",
+    "QattnError": "errors",
+    "PolicyError": "errors",
+    "OptionsError": "errors",
+    "UnsupportedSiteError": "errors",
+}
+
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(import_module(f".{_PUBLIC[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'qattn_compile' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -31,3 +31,24 @@ def reset_dynamo() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+def trace_structured(name: str, metadata_fn, payload_fn) -> None:
+    """Emit one structured-trace event (``TORCH_TRACE`` / ``tlparse``); a no-op when tracing is off."""
+    from torch._logging import trace_structured as _trace_structured
+
+    _trace_structured(name, metadata_fn=metadata_fn, payload_fn=payload_fn)
+
+
+def structured_trace_logger():
+    """The logger ``trace_structured`` writes to; a handler added to it receives every event."""
+    from torch._logging._internal import trace_log
+
+    return trace_log
+
+
+def register_log(setting_name: str, logger_name: str) -> None:
+    """Let ``TORCH_LOGS`` / ``torch._logging.set_logs`` control logger ``logger_name``."""
+    from torch._logging._internal import register_log as _register_log
+
+    _register_log(setting_name, logger_name)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _compat
+from .debug.trace import emit_site_report
 from .errors import OptionsError
 from .policy import DEFAULT_POLICY_PATH, Policy, load_policy
 from .report import SiteReport, write_report
@@ -84,6 +85,7 @@ class QattnBackend:
         reports = rewrite_attention(gm, self.policy, graph_index=self._graphs)
         self._graphs += 1
         self.site_reports.extend(reports)
+        emit_site_report(reports, self.unmatched_rules(), self._graphs - 1)
         if self.options.report:
             write_report(self.options.report, self.site_reports, self.unmatched_rules())
         self.policy.check_unmatched(self.matched_rules())

