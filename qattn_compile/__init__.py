@@ -10,8 +10,8 @@ from importlib import import_module
 
 _PUBLIC = {
     "attention": "functional",
-    "backend": "backend",
-    "last_backend": "backend",
+    "backend": "dynamo_backend",
+    "last_backend": "dynamo_backend",
     "Policy": "policy",
     "load_policy": "policy",
     "PRESET_NAMES": "presets",

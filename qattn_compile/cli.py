@@ -9,10 +9,11 @@ import sys
 import torch
 
 from . import _compat
-from .backend import backend as make_backend
+from .dynamo_backend import backend as make_backend
 from .policy import DEFAULT_POLICY_PATH
 from .debug.commands import add_subcommands as add_debug_subcommands
 from .errors import QattnError
+from .evaluation.commands import add_subcommands as add_eval_subcommands
 from .metrics import compare
 from .models import MINILM, load_model, minilm_available
 from .presets import PRESET_METHODS, QUANTIZED_PRESETS
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-presets", action="store_true", help="skip the per-preset table")
     demo.set_defaults(func=cmd_demo)
     add_debug_subcommands(sub)
+    add_eval_subcommands(sub)
     return parser
 
 

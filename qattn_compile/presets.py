@@ -19,7 +19,11 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     INT8 FMHA. Q, K, V: symmetric INT8 per tensor with scales α/127 (α = amax, dynamic, or
     calibrated, static). ``P̂ = clamp(round(255·exp(S − m)), 0, 255)`` (UINT8 semantics),
     ``l = Σ P̂``, ``O = (P̂·V̂)·s_v / l``; with ``quantize_output`` O is re-quantized to INT8
-    with α_o/127 (α_o = amax(O), or calibrated) and dequantized.
+    with α_o/127 (α_o = amax(O), or calibrated) and dequantized. Dynamic α is taken per
+    (batch, head); static α is one value per head (``static_scales``: ``q``/``o`` per query
+    head, ``k``/``v`` per kv head), recorded by ``qattn calibrate`` and filled into each
+    site's options from the ``calibration`` file by
+    :func:`qattn_compile.evaluation.calibrate.options_for_site`.
 ``sage2_8b``
     SageAttention2, 8-bit. K smoothing: ``K ← K − mean_tokens(K)`` per channel (exact: it
     shifts every score of a row by one constant). Q smoothing: per block of SMOOTH_Q_BLOCK
@@ -77,8 +81,48 @@ class IntFlashOptions(PresetOptions):
     )
 
 
+class StaticScales(BaseModel):
+    """Calibrated α of one ``fmha_int8`` site (static mode): amax values, not α/127.
+
+    Each entry is one float per head (``q``/``o``: query heads, ``k``/``v``: kv heads) or a
+    single float for every head. :meth:`tensors` gives the ``static_scales`` mapping of
+    :func:`qattn_compile.reference.reference_attention` (tensors ``[1, H, 1]``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    q: tuple[float, ...] | float = Field(description="α_q: amax of Q per query head.")
+    k: tuple[float, ...] | float = Field(description="α_k: amax of K per kv head.")
+    v: tuple[float, ...] | float = Field(description="α_v: amax of V per kv head.")
+    o: tuple[float, ...] | float | None = Field(
+        None, description="α_o: amax of O per query head (used with quantize_output)."
+    )
+
+    def tensors(self, device=None) -> dict:
+        """``{"q", "k", "v"[, "o"]}`` as float32 tensors ``[1, H, 1]`` (or floats)."""
+        import torch
+
+        def one(value):
+            if isinstance(value, float):
+                return value
+            return torch.tensor(value, dtype=torch.float32, device=device).view(1, -1, 1)
+
+        out = {name: one(getattr(self, name)) for name in ("q", "k", "v")}
+        if self.o is not None:
+            out["o"] = one(self.o)
+        return out
+
+
 class FmhaInt8Options(PresetOptions):
-    """Options of ``fmha_int8`` (INT8 FMHA)."""
+    """Options of ``fmha_int8`` (INT8 FMHA).
+
+    Static mode: ``scales: static`` with ``calibration: <file of qattn calibrate>``. The
+    policy names only the file; the per-site α are filled into ``static_scales`` when the
+    site is rewritten (:func:`qattn_compile.evaluation.calibrate.options_for_site`), so the
+    graph op carries them in its options JSON and the reference/kernels read them there.
+    Relative ``calibration`` paths are resolved against the working directory, then against
+    the policy file's directory.
+    """
 
     scales: Literal["dynamic", "static"] = Field(
         "dynamic", description="α from each call's amax (dynamic) or from a calibration file."
@@ -87,11 +131,21 @@ class FmhaInt8Options(PresetOptions):
         None, description="Path of a scales file written by `qattn calibrate` (static mode)."
     )
     quantize_output: bool = Field(False, description="Re-quantize O to INT8 with α_o/127.")
+    static_scales: StaticScales | None = Field(
+        None,
+        description="Per-site calibrated α (static mode), filled in from `calibration` when "
+        "the site is rewritten; not meant to be written by hand.",
+    )
 
     @model_validator(mode="after")
     def _static_needs_calibration(self) -> "FmhaInt8Options":
-        if self.scales == "static" and not self.calibration:
+        if self.scales == "static" and not self.calibration and self.static_scales is None:
             raise ValueError("scales: static needs `calibration: <path to scales file>`")
+        if self.static_scales is not None:
+            if self.scales != "static":
+                raise ValueError("static_scales are only read with `scales: static`")
+            if self.quantize_output and self.static_scales.o is None:
+                raise ValueError("static_scales lack `o` (α_o), needed by quantize_output")
         return self
 
 

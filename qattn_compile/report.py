@@ -31,6 +31,8 @@ class SiteReport:
     reason: str
     execution: str | None = None  # "triton" or "reference" for rewritten sites
     graph_index: int = 0
+    causal_fast_path: bool = False  # the mask provably hides every key after its query
+    gqa_source: str | None = None  # how K/V head sharing was found: repeat_kv, enable_gqa, ...
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,6 +43,7 @@ def write_report(path: str | Path, reports: list[SiteReport], unmatched_rules: l
     payload = {
         "sites": [r.to_dict() for r in reports],
         "counts": count_by_status(reports),
+        "pattern_counts": count_by_pattern(reports),
         "unmatched_rules": unmatched_rules,
     }
     Path(path).write_text(json.dumps(payload, indent=2))
@@ -50,6 +53,14 @@ def count_by_status(reports: list[SiteReport]) -> dict[str, int]:
     counts = {REWRITTEN: 0, LEFT_ALONE: 0, FALLBACK: 0}
     for r in reports:
         counts[r.status] += 1
+    return counts
+
+
+def count_by_pattern(reports: list[SiteReport]) -> dict[str, dict[str, int]]:
+    """Per pattern (``sdpa``, ``matmul_softmax``): how many sites got each status."""
+    counts: dict[str, dict[str, int]] = {}
+    for r in reports:
+        counts.setdefault(r.pattern, {REWRITTEN: 0, LEFT_ALONE: 0, FALLBACK: 0})[r.status] += 1
     return counts
 
 

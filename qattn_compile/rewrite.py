@@ -1,97 +1,234 @@
-"""Replace the attention sites of a dynamo FX graph with ``torch.ops.qattn.attention``."""
+"""Replace the attention sites of a dynamo FX graph with ``torch.ops.qattn.attention``.
+
+For each site the policy chooses a preset for, the rewrite inserts before the site's output
+node (with the output's module provenance, and fake example values so later passes see
+correct shapes):
+
+1. run-time scale factors multiplied into q (the op's ``scale`` takes the constant part);
+2. Kᵀ transposed back when the chain held the key only transposed;
+3. the mask: keep terms ANDed (``masked_fill`` masks negated: True = attend), additive
+   terms summed (each times the scale factors applied after it), and both together as
+   ``where(keep, additive, -inf)``;
+4. a leading batch dim of 1 around rank-3 (``[B·H, L, D]``) sites;
+5. the op, then a cast when the site's output dtype differs from q's;
+
+then points every user of the site's output at the new value and erases the matched nodes
+that no longer have users (softmax chain, transposes, ``repeat_kv``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import operator
 
 import torch
 from torch import fx
 
 from . import ops
 from .errors import UnsupportedSiteError
+from .evaluation.calibrate import options_for_site
 from .patterns import AttentionSite, find_attention_sites
-from .policy import Policy
+from .patterns.nodes import example_value, shape_of, tensor_value
+from .policy import Decision, Policy
 from .report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
 
 log = logging.getLogger("qattn_compile.rewrite")
 
+_PROVENANCE = ("nn_module_stack", "stack_trace")
+
 
 def _site_dtype_device(site: AttentionSite):
-    val = site.example("q")
-    return (val.dtype, val.device) if isinstance(val, torch.Tensor) else (None, None)
+    val = tensor_value(site.q)
+    return (val.dtype, val.device) if val is not None else (None, None)
+
+
+def _op_shapes(site: AttentionSite) -> list[tuple]:
+    """Shapes of q, k, v as the op receives them."""
+    q, k, v = (shape_of(n) for n in (site.q, site.k, site.v))
+    if site.k_transposed:
+        k = (*k[:-2], k[-1], k[-2])
+    if len(q) == 3:
+        q, k, v = ((1, *s) for s in (q, k, v))
+    return [q, k, v]
 
 
 def _unsupported(site: AttentionSite, preset: str, options) -> str | None:
     if site.refusal:
         return site.refusal
     dtype, device = _site_dtype_device(site)
-    shapes = [site.example(n).shape for n in ("q", "k", "v")]
-    return ops.unsupported_reason(*shapes, dtype, device, preset, options)
+    return ops.unsupported_reason(*_op_shapes(site), dtype, device, preset, options)
 
 
-def _replace(gm: fx.GraphModule, site: AttentionSite, preset: str, options, report: SiteReport):
-    graph = gm.graph
-    with graph.inserting_before(site.anchor):
-        new = graph.call_function(
-            torch.ops.qattn.attention.default,
-            (site.q, site.k, site.v, site.attn_mask, site.is_causal, site.scale, preset, options.to_json()),
-        )
-    new.meta.update(site.anchor.meta)
-    new.meta["qattn"] = {"fqn": site.fqn, "rule": report.rule, "pattern": site.pattern, "preset": preset}
-    site.anchor.replace_all_uses_with(new)
-    graph.erase_node(site.anchor)
-    for node in reversed(site.chain):
-        if not node.users:
+class _Emitter:
+    """Inserts nodes before ``anchor``, with its provenance and fake example values."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node):
+        self.graph, self.anchor = graph, anchor
+
+    def __call__(self, target, *args, method: bool = False) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node("call_method" if method else "call_function", target, args)
+        node.meta.update({key: self.anchor.meta[key] for key in _PROVENANCE if key in self.anchor.meta})
+        value = self._example(target, args, method)
+        if value is not None:
+            node.meta["example_value"] = value
+        return node
+
+    @staticmethod
+    def _example(target, args, method: bool):
+        """``target(*args)`` on the args' fake values, in their fake mode (None without one).
+
+        ``args`` is flat: nodes and constants.
+        """
+        values = [example_value(a) if isinstance(a, fx.Node) else a for a in args]
+        mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+        if mode is None:
+            return None
+        with mode:
+            return getattr(values[0], target)(*values[1:]) if method else target(*values)
+
+
+def _scaled(emit: _Emitter, node: fx.Node, factors) -> fx.Node:
+    """``node`` multiplied (or divided) by each factor in turn."""
+    for factor in factors:
+        node = emit(operator.truediv if factor.divide else operator.mul, node, factor.value)
+    return node
+
+
+def _build_mask(emit: _Emitter, site: AttentionSite) -> fx.Node | None:
+    """The op's one mask from the site's mask terms (see the module docstring)."""
+    keep = None
+    for term in site.mask.keep:
+        node = emit(torch.logical_not, term.node) if term.negate else term.node
+        keep = node if keep is None else emit(torch.logical_and, keep, node)
+    additive = None
+    for term in site.mask.additive:
+        node = _scaled(emit, term.node, term.factors)
+        additive = node if additive is None else emit(operator.add, additive, node)
+    if keep is None or additive is None:
+        return keep if additive is None else additive
+    return emit(torch.where, keep, additive, -math.inf)
+
+
+def _build_query(emit: _Emitter, site: AttentionSite) -> fx.Node:
+    """q with the run-time scale factors multiplied in, in q's dtype."""
+    return _cast_like(emit, _scaled(emit, site.q, site.scale_factors), site.q)
+
+
+def _cast_like(emit: _Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
+    """``node`` cast to the dtype of ``like`` when their example dtypes differ."""
+    have, want = tensor_value(node), tensor_value(like)
+    if have is None or want is None or have.dtype == want.dtype:
+        return node
+    return emit("to", node, want.dtype, method=True)
+
+
+def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase the nodes of ``nodes`` that have no users, until none is left to erase."""
+    pending = list(dict.fromkeys(nodes))
+    while True:
+        dead = [n for n in pending if not n.users]
+        if not dead:
+            return
+        for node in dead:
             graph.erase_node(node)
+        pending = [n for n in pending if n not in dead]
+
+
+def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report: SiteReport) -> None:
+    """Replace ``site`` by the op with the preset and options of ``decision``."""
+    preset = decision.preset
+    emit = _Emitter(gm.graph, site.anchor)
+    q, k, v = _build_query(emit, site), site.k, site.v
+    if site.k_transposed:
+        k = emit("transpose", k, -2, -1, method=True)
+    mask = _build_mask(emit, site)
+    rank3 = len(shape_of(site.q)) == 3
+    if rank3:
+        q, k, v = (emit("unsqueeze", t, 0, method=True) for t in (q, k, v))
+    out = emit(
+        torch.ops.qattn.attention.default, q, k, v, mask, site.is_causal, site.scale, preset, decision.options.to_json()
+    )
+    out.meta["qattn"] = {
+        "fqn": site.fqn,
+        "rule": report.rule,
+        "pattern": site.pattern,
+        "preset": preset,
+        "mask_kind": site.mask_kind,
+        "causal_fast_path": site.causal_fast_path,
+    }
+    if rank3:
+        out = emit("squeeze", out, 0, method=True)
+    site.anchor.replace_all_uses_with(_cast_like(emit, out, site.anchor))
+    _erase_unused(gm.graph, site.chain)
 
 
 def rewrite_attention(gm: fx.GraphModule, policy: Policy, graph_index: int = 0) -> list[SiteReport]:
     """Rewrite every site ``policy`` chooses a preset for; report every site found.
 
+    Every site is decided first (in graph order); the chosen ones are then replaced from the
+    last to the first, so that a site reading an earlier site's output (the next layer's
+    attention) still holds valid nodes when it is replaced.
+
     Raises :class:`UnsupportedSiteError` for a site that cannot be served when the policy
-    says ``on_unsupported: error``.
+    says ``on_unsupported: error`` (before the graph is modified).
     """
-    reports = []
+    reports, chosen = [], []
     for site in find_attention_sites(gm):
         decision = policy.decide(site.fqn, site.module_class)
-        dtype, device = _site_dtype_device(site)
-        report = SiteReport(
-            fqn=site.fqn,
-            module_class=site.module_class,
-            pattern=site.pattern,
-            source=site.source,
-            shapes=site.shapes(),
-            dtype=str(dtype).replace("torch.", "") if dtype else None,
-            mask_kind=site.mask_kind,
-            gqa_group=site.gqa_group,
-            preset=decision.preset,
-            options=decision.options.model_dump(),
-            rule=decision.rule_text,
-            rule_index=decision.rule_index,
-            status=LEFT_ALONE,
-            reason=decision.reason,
-            graph_index=graph_index,
-        )
+        report = _decide(site, decision, policy, graph_index)
         reports.append(report)
-        if decision.preset == "none":
-            log.info("qattn: %s left alone: %s", site.fqn, decision.reason)
-            continue
-        why_not = _unsupported(site, decision.preset, decision.options)
-        if why_not:
-            report.status, report.reason = FALLBACK, why_not
-            if policy.on_unsupported == "error":
-                raise UnsupportedSiteError(
-                    f"attention site {site.fqn or '(top level)'} ({site.module_class}, "
-                    f"{site.source}) chose preset {decision.preset!r} by {decision.rule_text} "
-                    f"but cannot be served: {why_not}. Policy {policy.source} says "
-                    "on_unsupported: error; use `fallback` to keep the original attention there."
-                )
-            log.warning("qattn: %s falls back to the original attention: %s", site.fqn, why_not)
-            continue
-        _replace(gm, site, decision.preset, decision.options, report)
-        report.status = REWRITTEN
-        report.execution = ops.execution_path(device)
-        log.info("qattn: %s -> %s (%s)", site.fqn, decision.preset, decision.rule_text)
+        if report.status == REWRITTEN:
+            options = options_for_site(decision.preset, decision.options, site.fqn, policy.source)
+            chosen.append((site, dataclasses.replace(decision, options=options), report))
+    for site, decision, report in reversed(chosen):
+        _replace(gm, site, decision, report)
     gm.graph.lint()
     gm.recompile()
     return reports
+
+
+def _decide(site: AttentionSite, decision: Decision, policy: Policy, graph_index: int) -> SiteReport:
+    """The report of ``site`` given the policy's ``decision``: rewritten, left alone, or
+    fallback (and why)."""
+    dtype, device = _site_dtype_device(site)
+    report = SiteReport(
+        fqn=site.fqn,
+        module_class=site.module_class,
+        pattern=site.pattern,
+        source=site.source,
+        shapes=site.shapes(),
+        dtype=str(dtype).replace("torch.", "") if dtype else None,
+        mask_kind=site.mask_kind,
+        gqa_group=site.gqa_group,
+        preset=decision.preset,
+        options=decision.options.model_dump(),
+        rule=decision.rule_text,
+        rule_index=decision.rule_index,
+        status=LEFT_ALONE,
+        reason=decision.reason,
+        graph_index=graph_index,
+        causal_fast_path=site.causal_fast_path,
+        gqa_source=site.gqa_source,
+    )
+    if decision.preset == "none":
+        log.info("qattn: %s left alone: %s", site.fqn, decision.reason)
+        return report
+    why_not = _unsupported(site, decision.preset, decision.options)
+    if why_not:
+        report.status, report.reason = FALLBACK, why_not
+        if policy.on_unsupported == "error":
+            raise UnsupportedSiteError(
+                f"attention site {site.fqn or '(top level)'} ({site.module_class}, "
+                f"{site.source}) chose preset {decision.preset!r} by {decision.rule_text} "
+                f"but cannot be served: {why_not}. Policy {policy.source} says "
+                "on_unsupported: error; use `fallback` to keep the original attention there."
+            )
+        log.warning("qattn: %s falls back to the original attention: %s", site.fqn, why_not)
+        return report
+    report.status = REWRITTEN
+    report.execution = ops.execution_path(device)
+    log.info("qattn: %s -> %s (%s)", site.fqn, decision.preset, decision.rule_text)
+    return report

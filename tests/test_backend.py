@@ -38,7 +38,7 @@ def test_backend_registered_via_entry_point_without_import():
     code = (
         "import sys, torch\n"
         "assert 'qattn' in torch._dynamo.list_backends(exclude_tags=())\n"
-        "assert 'qattn_compile.backend' not in sys.modules\n"
+        "assert 'qattn_compile.dynamo_backend' not in sys.modules\n"
         "f = torch.compile(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q),"
         " backend='qattn', options={'compiler': 'eager'})\n"
         "q = torch.randn(1, 2, 8, 16)\n"

@@ -1,12 +1,31 @@
-"""Attention site finders: each returns :class:`AttentionSite` records for an FX graph."""
+"""Attention site finders: each returns :class:`AttentionSite` records for a dynamo FX graph.
 
-from .sdpa import find_sdpa_sites
+- :mod:`.sdpa`: ``F.scaled_dot_product_attention`` calls;
+- :mod:`.chains`: hand-written ``matmul → scale → mask → softmax → matmul`` chains;
+- :mod:`.gqa`: K/V repeated per head traced back to the un-repeated tensors;
+- :mod:`.masks`: mask terms and their kind (causal, padding, sliding window, …);
+- :mod:`.scaling`: softmax scale factors (constant or run-time);
+- :mod:`.site`: the :class:`AttentionSite` record and site naming (module FQN, class, line).
+"""
+
+from torch import fx
+
+from .chains import chain_site, find_chain_sites
+from .sdpa import find_sdpa_sites, sdpa_site
 from .site import AttentionSite
 
 
-def find_attention_sites(gm) -> list[AttentionSite]:
-    """Every attention site of a dynamo FX graph, in graph order."""
-    return find_sdpa_sites(gm)
+def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
+    """Every attention site (and refused candidate) of a dynamo FX graph, in graph order.
+
+    Pure: the graph is not modified.
+    """
+    sites = []
+    for node in gm.graph.nodes:
+        site = sdpa_site(node) or chain_site(node)
+        if site is not None:
+            sites.append(site)
+    return sites
 
 
-__all__ = ["AttentionSite", "find_attention_sites", "find_sdpa_sites"]
+__all__ = ["AttentionSite", "find_attention_sites", "find_chain_sites", "find_sdpa_sites"]

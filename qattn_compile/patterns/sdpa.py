@@ -1,4 +1,11 @@
-"""Find ``F.scaled_dot_product_attention`` calls in a dynamo graph."""
+"""Find ``F.scaled_dot_product_attention`` calls in a dynamo graph.
+
+Every spelling dynamo records is read the same way: positional or keyword arguments,
+``attn_mask`` None / bool / additive float of any broadcastable shape, ``is_causal``,
+``scale`` (None, a float, or a run-time value such as ``.item()`` of a module attribute
+under ``dynamic=True``), ``enable_gqa`` and ``dropout_p`` (only 0 is served). K/V repeated
+by ``repeat_kv``/``repeat_interleave`` are traced back to the un-repeated tensors.
+"""
 
 from __future__ import annotations
 
@@ -6,76 +13,111 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .site import AttentionSite, example_value, module_of, source_of
+from . import gqa, masks
+from .masks import AdditiveTerm, KeepTerm, MaskSpec
+from .nodes import requires_grad, same_size, shape_of, tensor_value
+from .scaling import Factor, as_factor
+from .site import AttentionSite, module_of, source_of
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+_CONSTANT_ONLY = ("dropout_p", "is_causal", "enable_gqa")
 
 
 def _bound_args(node: fx.Node) -> dict:
     """SDPA's arguments by parameter name, positional or keyword, defaults filled in."""
     bound = dict(_DEFAULTS)
-    bound.update(zip(SDPA_PARAMS, node.args))
+    bound.update(zip(SDPA_PARAMS, node.args, strict=False))
     bound.update(node.kwargs)
     return bound
 
 
-def _mask_kind(mask, is_causal: bool) -> str:
-    if mask is None:
-        return "causal" if is_causal else "none"
-    val = example_value(mask)
-    kind = "bool" if getattr(val, "dtype", None) == torch.bool else "additive"
-    return f"causal+{kind}" if is_causal else kind
-
-
-def _refusal(args: dict) -> str | None:
+def _refusal(args: dict, scale: Factor | str | None) -> str | None:
     """Why an SDPA call cannot be rewritten, or None."""
-    for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
+    for name in _CONSTANT_ONLY:
         if isinstance(args[name], fx.Node):
             return f"`{name}` is computed at run time; only constants can be served"
     if args["dropout_p"]:
         return f"dropout_p={args['dropout_p']} (dropout in training is not served)"
-    q, k, v = (example_value(args[n]) for n in ("query", "key", "value"))
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+    if isinstance(scale, str):
+        return scale
+    q, k, v = (tensor_value(args[n]) for n in ("query", "key", "value"))
+    if not all(t is not None for t in (q, k, v)):
         return "query/key/value have no recorded example values"
-    if any(t.requires_grad for t in (q, k, v)):
-        return "inputs require grad (training through qattn is not supported)"
-    if not (q.dim() == k.dim() == v.dim() == 4):
-        return f"rank {q.dim()} inputs (only [B, H, L, D] is served)"
-    if q.shape[1] != k.shape[1] and not args["enable_gqa"]:
+    if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
+        return f"rank-{q.dim()} inputs (only [B, H, L, D] or [B, L, D] are served)"
+    if not same_size(q.shape[-3], k.shape[-3]) and not args["enable_gqa"]:
         return "query and key/value head counts differ without enable_gqa"
-    mask = example_value(args["attn_mask"]) if args["attn_mask"] is not None else None
-    if mask is not None and mask.dim() > 4:
-        return f"attn_mask of rank {mask.dim()}"
+    mask = tensor_value(args["attn_mask"])
+    if mask is not None and mask.dim() > q.dim():
+        return f"attn_mask of rank {mask.dim()} for rank-{q.dim()} inputs"
+    grads = [n for n in ("query", "key", "value", "attn_mask") if requires_grad(args[n])]
+    if grads or (isinstance(scale, Factor) and requires_grad(scale.value)):
+        return f"{', '.join(grads) or 'scale'} requires grad (training through qattn is not served)"
     return None
+
+
+def _scale(args: dict, query: fx.Node) -> tuple[float | None, Factor | str | None]:
+    """(constant scale, run-time factor or reason) of an SDPA call's ``scale`` argument."""
+    scale = args["scale"]
+    if scale is None:
+        return None, None
+    factor = as_factor(scale, False, shape_of(query) or ())
+    if isinstance(factor, Factor) and factor.number is not None:
+        return factor.number, None
+    return 1.0, factor
+
+
+def _mask(attn_mask) -> MaskSpec:
+    val = tensor_value(attn_mask)
+    if val is None:
+        return MaskSpec()
+    if val.dtype == torch.bool:
+        return MaskSpec(keep=[KeepTerm(attn_mask)])
+    return MaskSpec(additive=[AdditiveTerm(attn_mask)])
+
+
+def sdpa_site(node: fx.Node) -> AttentionSite | None:
+    """The :class:`AttentionSite` of an SDPA call ``node``, or ``None`` for other nodes."""
+    if node.op != "call_function" or node.target not in SDPA_TARGETS:
+        return None
+    args = _bound_args(node)
+    q, k, v = args["query"], args["key"], args["value"]
+    scale, factor = _scale(args, q)
+    refusal = _refusal(args, factor)
+    is_causal = args["is_causal"] is True
+    mask = _mask(args["attn_mask"])
+    chain, gqa_source, lengths_match = [node], None, False
+    if refusal is None:
+        lengths_match = same_size(shape_of(q)[-2], shape_of(k)[-2])
+        if args["enable_gqa"] is True and not same_size(shape_of(q)[-3], shape_of(k)[-3]):
+            gqa_source = "enable_gqa"
+        elif found := gqa.unrepeat_kv(k, v):
+            (k, v), gqa_source = (found[0].source, found[1].source), found[0].how
+            chain += found[0].nodes + found[1].nodes
+    fqn, cls = module_of(node)
+    return AttentionSite(
+        pattern="sdpa",
+        anchor=node,
+        q=q,
+        k=k,
+        v=v,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        scale_factors=(factor,) if isinstance(factor, Factor) else (),
+        gqa_source=gqa_source,
+        mask_kind=masks.mask_kind(mask, is_causal),
+        causal_fast_path=is_causal or (lengths_match and masks.causal_fast_path(mask, False)),
+        fqn=fqn,
+        module_class=cls,
+        source=source_of(node),
+        refusal=refusal,
+        chain=chain,
+    )
 
 
 def find_sdpa_sites(gm: fx.GraphModule) -> list[AttentionSite]:
     """One :class:`AttentionSite` per SDPA call in ``gm``, in graph order."""
-    sites = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in SDPA_TARGETS:
-            continue
-        args = _bound_args(node)
-        fqn, cls = module_of(node)
-        causal = args["is_causal"]
-        sites.append(
-            AttentionSite(
-                pattern="sdpa",
-                anchor=node,
-                q=args["query"],
-                k=args["key"],
-                v=args["value"],
-                attn_mask=args["attn_mask"],
-                is_causal=bool(causal) if not isinstance(causal, fx.Node) else False,
-                scale=args["scale"] if not isinstance(args["scale"], fx.Node) else None,
-                dropout_p=args["dropout_p"] if not isinstance(args["dropout_p"], fx.Node) else 0.0,
-                mask_kind=_mask_kind(args["attn_mask"], bool(causal) is True),
-                fqn=fqn,
-                module_class=cls,
-                source=source_of(node),
-                refusal=_refusal(args),
-            )
-        )
-    return sites
+    return [site for site in map(sdpa_site, gm.graph.nodes) if site is not None]

@@ -1,22 +1,39 @@
-"""What a site finder knows about one attention site in an FX graph."""
+"""What a site finder knows about one attention site in an FX graph, and how it names it."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
-import torch
 from torch import fx
+
+from .masks import MaskSpec
+from .nodes import example_value, shape_of
+from .scaling import Factor
+
+__all__ = ["AttentionSite", "clean_fqn", "example_value", "module_of", "source_of"]
 
 
 @dataclass
 class AttentionSite:
     """One attention computation found in a dynamo graph.
 
-    ``q``/``k``/``v`` are the nodes that feed the rewritten op: q ``[B, Hq, Lq, D]``,
-    k/v ``[B, Hkv, Lkv, D|Dv]`` (un-repeated when GQA was recovered). ``anchor`` is the node
-    whose value is the attention output; the rewrite replaces its uses. ``refusal`` is set
-    when the finder recognised attention but it cannot be rewritten (and says why).
+    The rewrite feeds ``torch.ops.qattn.attention`` with:
+
+    - ``q`` ``[B, Hq, Lq, D]``; ``k``/``v`` ``[B, Hkv, Lkv, D|Dv]``, un-repeated when GQA was
+      recovered (``gqa_source`` says from what). With ``k_transposed`` the node ``k`` holds
+      Kᵀ ``[..., D, Lkv]`` (a chain whose key was never transposed back) and the rewrite
+      transposes it. Rank-3 sites (``[B·H, L, D]``, e.g. ``bmm`` chains) get a leading
+      batch dim of 1 around the op.
+    - ``mask``: the mask terms, combined by the rewrite into one bool or additive mask.
+    - ``scale``: the constant part of the softmax scale (``None`` = ``1/sqrt(D)``) and
+      ``scale_factors``: run-time factors (``.item()`` of a module attribute, a SymFloat,
+      a 0-d or per-row tensor) that the rewrite multiplies into ``q``.
+
+    ``anchor`` is the node whose value is the attention output; the rewrite replaces its
+    uses. ``chain`` lists the nodes the match consumed: they are erased once unused.
+    ``refusal`` is set when the finder recognised attention that cannot be rewritten (and
+    says why).
     """
 
     pattern: str
@@ -24,11 +41,14 @@ class AttentionSite:
     q: fx.Node
     k: fx.Node
     v: fx.Node
-    attn_mask: fx.Node | None = None
+    mask: MaskSpec = field(default_factory=MaskSpec)
     is_causal: bool = False
     scale: float | None = None
-    dropout_p: float = 0.0
+    scale_factors: tuple[Factor, ...] = ()
+    k_transposed: bool = False
+    gqa_source: str | None = None
     mask_kind: str = "none"
+    causal_fast_path: bool = False
     fqn: str = ""
     module_class: str | None = None
     source: str | None = None
@@ -37,30 +57,25 @@ class AttentionSite:
 
     @property
     def gqa_group(self) -> int | None:
+        """Query heads per key/value head, when both head counts are static."""
         hq, hkv = _dim(self.q, -3), _dim(self.k, -3)
         if isinstance(hq, int) and isinstance(hkv, int) and hkv and hq % hkv == 0:
             return hq // hkv
         return None
 
     def shapes(self) -> dict[str, list]:
-        return {name: _shape(node) for name, node in (("q", self.q), ("k", self.k), ("v", self.v))}
-
-    def example(self, name: str):
-        return example_value(getattr(self, name))
-
-
-def example_value(node: fx.Node):
-    """The fake tensor dynamo recorded for ``node`` (``None`` if there is none)."""
-    if not isinstance(node, fx.Node):
-        return None
-    return node.meta.get("example_value", node.meta.get("val"))
+        """Shapes of q, k, v as the op sees them (ints, or strings for symbolic sizes)."""
+        shapes = {name: _shape(getattr(self, name)) for name in ("q", "k", "v")}
+        if self.k_transposed and len(shapes["k"]) >= 2:
+            shapes["k"][-2:] = shapes["k"][-2:][::-1]
+        return shapes
 
 
 def _shape(node: fx.Node) -> list:
-    val = example_value(node)
-    if not isinstance(val, torch.Tensor):
+    shape = shape_of(node)
+    if shape is None:
         return []
-    return [int(s) if isinstance(s, int) else str(s) for s in val.shape]
+    return [int(s) if isinstance(s, int) else str(s) for s in shape]
 
 
 def _dim(node: fx.Node, i: int):
@@ -68,15 +83,25 @@ def _dim(node: fx.Node, i: int):
     return shape[i] if len(shape) >= abs(i) else None
 
 
-_DYNAMO_ROOT = re.compile(r"^L\['self'\]\.?")
+_DYNAMO_ROOT = re.compile(r"^[LG]\['[^']+'\]\.?")
 _MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
+_INDEX = re.compile(r"\[(\d+)\]")
+_GETATTR = re.compile(r"getattr\(([^()]*), '([^']+)'\)")
 
 
 def clean_fqn(dynamo_path: str) -> str:
-    """``L['self'].model.layers.0.self_attn`` -> ``model.layers.0.self_attn``."""
-    path = _MODULES_ITEM.sub(r".\1", dynamo_path)
-    path = _DYNAMO_ROOT.sub("", path)
-    return path.replace("L['self']", "").lstrip(".")
+    """Module FQN from a dynamo module path.
+
+    ``L['self'].model.layers.0.self_attn``, ``L['self'].model.layers[0].self_attn``,
+    ``L['self']._modules['model']...`` and ``getattr(L['self'].layers, '0')`` all give
+    ``model.layers.0.self_attn``-style names.
+    """
+    path = dynamo_path
+    while _GETATTR.search(path):
+        path = _GETATTR.sub(r"\1.\2", path)
+    path = _MODULES_ITEM.sub(r".\1", path)
+    path = _INDEX.sub(r".\1", path)
+    return _DYNAMO_ROOT.sub("", path)
 
 
 def module_of(node: fx.Node) -> tuple[str, str | None]:

@@ -36,7 +36,9 @@ Choices where :mod:`qattn_compile.presets` leaves room (kept in sync with the re
   ``round(127·e^x) = 0`` for every ``x < ln(0.5/127) ≈ −5.54``.
 - ``fmha_int8`` static scales come from the ``static_scales`` keyword ``{"q": α_q, "k": α_k,
   "v": α_v, "o": α_o}`` (floats or tensors broadcastable to ``[B, H, 1]``; ``"o"`` only
-  with ``quantize_output``); dynamic ``α_o`` is ``amax(O)`` per (batch, query head).
+  with ``quantize_output``), or, when that keyword is None, from the options' own
+  ``static_scales`` (per-head α filled in per site from the calibration file, which is how
+  the graph op receives them); dynamic ``α_o`` is ``amax(O)`` per (batch, query head).
 - SageAttention2's ``ΔS`` uses the smoothed, *unquantized* K in ``compute_dtype``.
 """
 
@@ -445,6 +447,8 @@ def _setup(q, k, v, preset, options, compute_dtype, static_scales, scale):
     if preset == "none":
         raise ValueError("preset 'none' leaves the attention untouched; it has no reference")
     _check_inputs(q, k, v, compute_dtype)
+    if static_scales is None and getattr(opts, "static_scales", None) is not None:
+        static_scales = opts.static_scales.tensors(q.device)
     statics = _check_static_scales(preset, opts, static_scales)
     tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return opts, statics, tau

@@ -20,7 +20,7 @@ from .policy import DEFAULT_POLICY_PATH, Policy, load_policy
 from .report import SiteReport, write_report
 from .rewrite import rewrite_attention
 
-log = logging.getLogger("qattn_compile.backend")
+log = logging.getLogger("qattn_compile.dynamo_backend")
 
 COMPILERS = ("inductor", "eager")
 OPTION_DOCS = {

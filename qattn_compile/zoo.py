@@ -1,0 +1,198 @@
+"""A zoo of tiny random-weight Hugging Face models, one per architecture family member.
+
+Every entry builds a seeded model (2 layers, hidden 64, 4 heads of dim 16; GQA 4/2 where
+the architecture has it) in eval mode with example inputs, for either attention
+implementation transformers offers (``eager``: hand-written matmul/softmax chains;
+``sdpa``: ``F.scaled_dot_product_attention``). Offline: nothing is downloaded.
+``attention_classes`` names the module classes holding one attention computation each, so
+a test can check that every attention module became exactly one site.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .models import ModelBundle
+
+HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 64, 4, 2, 2, 128, 256
+IMAGE, PATCH, MEL_BINS, AUDIO_FRAMES = 16, 4, 8, 16
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """How to build one architecture: ``build(attn_implementation, seq_len, batch)``."""
+
+    name: str
+    family: str  # decoder | encoder | vision | seq2seq
+    attention_classes: tuple[str, ...]
+    build: Callable[..., ModelBundle]
+
+
+def _tokens(batch: int, seq_len: int, pad: int = 0) -> dict:
+    """Random token ids and a right-padding mask (the first sample's last quarter padded)."""
+    ids = torch.randint(3, VOCAB, (batch, seq_len))
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    mask[0, seq_len - max(1, seq_len // 4) :] = 0
+    ids[0][mask[0] == 0] = pad
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _pixels(batch: int) -> dict:
+    return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE)}
+
+
+def _causal_lm(name: str, config_cls: str, model_cls: str, **extra) -> Callable[..., ModelBundle]:
+    def build(attn_implementation: str = "sdpa", seq_len: int = 24, batch: int = 2) -> ModelBundle:
+        import transformers
+
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config_cls)(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+            attn_implementation=attn_implementation, **extra,
+        )
+        model = getattr(transformers, model_cls)(cfg).eval()
+        inputs = {**_tokens(batch, seq_len), "use_cache": False}
+        return ModelBundle(f"{name}:{attn_implementation}", model, kwargs=inputs, kind="decoder")
+
+    return build
+
+
+def _gpt2(attn_implementation: str = "sdpa", seq_len: int = 24, batch: int = 2) -> ModelBundle:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=256,
+        attn_implementation=attn_implementation,
+    )
+    model = GPT2LMHeadModel(cfg).eval()
+    inputs = {**_tokens(batch, seq_len), "use_cache": False}
+    return ModelBundle(f"gpt2:{attn_implementation}", model, kwargs=inputs, kind="decoder")
+
+
+def _encoder(name: str, config_cls: str, model_cls: str, pad: int) -> Callable[..., ModelBundle]:
+    def build(attn_implementation: str = "sdpa", seq_len: int = 24, batch: int = 2) -> ModelBundle:
+        import transformers
+
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config_cls)(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, max_position_embeddings=256, pad_token_id=pad,
+            attn_implementation=attn_implementation,
+        )
+        model = getattr(transformers, model_cls)(cfg).eval()
+        return ModelBundle(f"{name}:{attn_implementation}", model, kwargs=_tokens(batch, seq_len, pad))
+
+    return build
+
+
+def _vit(attn_implementation: str = "sdpa", seq_len: int = 0, batch: int = 2) -> ModelBundle:
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(
+        image_size=IMAGE, patch_size=PATCH, hidden_size=HIDDEN, intermediate_size=FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, attn_implementation=attn_implementation,
+    )
+    return ModelBundle(f"vit:{attn_implementation}", ViTModel(cfg).eval(), kwargs=_pixels(batch))
+
+
+def _t5(attn_implementation: str = "sdpa", seq_len: int = 24, batch: int = 2) -> ModelBundle:
+    from transformers import T5Config, T5Model
+
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS,
+        num_heads=HEADS, attn_implementation=attn_implementation,
+    )
+    inputs = _tokens(batch, seq_len)
+    inputs["decoder_input_ids"] = torch.randint(3, VOCAB, (batch, max(2, seq_len // 2)))
+    return ModelBundle(f"t5:{attn_implementation}", T5Model(cfg).eval(), kwargs={**inputs, "use_cache": False})
+
+
+def _clip_text(attn_implementation: str = "sdpa", seq_len: int = 24, batch: int = 2) -> ModelBundle:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    cfg = CLIPTextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=256, attn_implementation=attn_implementation,
+    )
+    return ModelBundle(f"clip_text:{attn_implementation}", CLIPTextModel(cfg).eval(), kwargs=_tokens(batch, seq_len))
+
+
+def _clip_vision(attn_implementation: str = "sdpa", seq_len: int = 0, batch: int = 2) -> ModelBundle:
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    cfg = CLIPVisionConfig(
+        image_size=IMAGE, patch_size=PATCH, hidden_size=HIDDEN, intermediate_size=FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, attn_implementation=attn_implementation,
+    )
+    return ModelBundle(f"clip_vision:{attn_implementation}", CLIPVisionModel(cfg).eval(), kwargs=_pixels(batch))
+
+
+def _whisper(attn_implementation: str = "sdpa", seq_len: int = 24, batch: int = 2) -> ModelBundle:
+    from transformers import WhisperConfig, WhisperModel
+
+    torch.manual_seed(0)
+    cfg = WhisperConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN, num_mel_bins=MEL_BINS, max_source_positions=AUDIO_FRAMES // 2,
+        max_target_positions=64, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        decoder_start_token_id=2, attn_implementation=attn_implementation,
+    )
+    inputs = {
+        "input_features": torch.randn(batch, MEL_BINS, AUDIO_FRAMES),
+        "decoder_input_ids": torch.randint(3, VOCAB, (batch, max(2, seq_len // 2))),
+        "use_cache": False,
+    }
+    return ModelBundle(f"whisper:{attn_implementation}", WhisperModel(cfg).eval(), kwargs=inputs)
+
+
+ZOO: dict[str, ZooEntry] = {
+    entry.name: entry
+    for entry in (
+        ZooEntry("llama", "decoder", ("LlamaAttention",), _causal_lm("llama", "LlamaConfig", "LlamaForCausalLM")),
+        ZooEntry(
+            "mistral", "decoder", ("MistralAttention",),
+            _causal_lm("mistral", "MistralConfig", "MistralForCausalLM", sliding_window=8),
+        ),
+        ZooEntry("qwen2", "decoder", ("Qwen2Attention",), _causal_lm("qwen2", "Qwen2Config", "Qwen2ForCausalLM")),
+        ZooEntry("gpt2", "decoder", ("GPT2Attention",), _gpt2),
+        ZooEntry("bert", "encoder", ("BertSelfAttention",), _encoder("bert", "BertConfig", "BertModel", pad=0)),
+        ZooEntry(
+            "roberta", "encoder", ("RobertaSelfAttention",), _encoder("roberta", "RobertaConfig", "RobertaModel", pad=1)
+        ),
+        ZooEntry("vit", "vision", ("ViTAttention", "ViTSelfAttention"), _vit),
+        ZooEntry("t5", "seq2seq", ("T5Attention",), _t5),
+        ZooEntry("clip_text", "encoder", ("CLIPAttention",), _clip_text),
+        ZooEntry("clip_vision", "vision", ("CLIPAttention",), _clip_vision),
+        ZooEntry("whisper", "seq2seq", ("WhisperAttention",), _whisper),
+    )
+}
+"""Every zoo architecture by name."""
+
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def attention_modules(bundle: ModelBundle, entry: ZooEntry) -> list[str]:
+    """FQNs of the modules of ``bundle.model`` that hold one attention computation each: the
+    innermost modules of ``entry.attention_classes`` (releases move attention between an
+    outer ``…Attention`` and an inner ``…SelfAttention`` module)."""
+    names = [n for n, m in bundle.model.named_modules() if type(m).__name__ in entry.attention_classes]
+    return [n for n in names if not any(other.startswith(f"{n}.") for other in names)]
+
+
+def main_output(output) -> torch.Tensor:
+    """The tensor a zoo model's output is compared on: logits, else the last hidden state."""
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value.float()
+    return output[0].float()

