@@ -19,6 +19,7 @@ QUANT_WARP_Q = 16
 QUANT_BLOCK_Q = 128
 QUANT_BLOCK_KV = 64
 SMOOTH_Q_BLOCK = QUANT_BLOCK_Q  # tokens that share one q̄ in SageAttention2's Q smoothing
+KV_CACHE_BLOCK = QUANT_BLOCK_KV  # tokens per FlashQ KV-cache block (turbo's B_c: the prefill's INT8 groups)
 
 
 def group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:

@@ -14,6 +14,8 @@ A policy is a YAML document (DESIGN.md §4)::
         options: {qk_granularity: block}
       - module_class: BertSelfAttention   # pattern on the module class name
         preset: flash
+    kv_cache:                 # optional: the FlashQ KV cache per layer (KVCachePolicy)
+      int2_heads: 2
 
 How a site is decided (:meth:`Policy.decide`):
 
@@ -52,6 +54,7 @@ from pydantic import (
     PrivateAttr,
     SerializeAsAny,
     StrictBool,
+    StrictInt,
     StrictStr,
     ValidationError,
     ValidationInfo,
@@ -59,6 +62,7 @@ from pydantic import (
     model_validator,
 )
 
+from .blocks import KV_CACHE_BLOCK
 from .errors import PolicyError
 from .presets import PRESET_NAMES, NoOptions, PresetOptions, describe_fields, resolve_options
 
@@ -226,6 +230,102 @@ class Decision:
     """Human-readable explanation of the choice."""
 
 
+# --------------------------------------------------------------------------- kv cache
+
+
+def _check_buffer_tokens(value: int | None) -> int | None:
+    if value is not None and value % KV_CACHE_BLOCK:
+        raise ValueError(f"buffer_tokens must be a multiple of {KV_CACHE_BLOCK} (the cache block), got {value}")
+    return value
+
+
+class KVCacheLayer(BaseModel):
+    """How one attention layer's KV cache is stored (``qattn_compile.kvcache``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["flashq", "none"] = Field(
+        "flashq", description="flashq: FlashQ INT4/INT2 blocks + INT8 buffer; none: model dtype."
+    )
+    int2_heads: StrictInt = Field(
+        0, ge=0, description="KV heads of the layer stored in INT2 (lowest priority); the rest INT4."
+    )
+    buffer_tokens: StrictInt = Field(
+        KV_CACHE_BLOCK, gt=0, description="INT8 decode buffer n_b (a multiple of the cache block)."
+    )
+
+    _buffer_ok = field_validator("buffer_tokens")(_check_buffer_tokens)
+
+
+class KVCacheRule(BaseModel):
+    """One entry of ``kv_cache.rules``: the layers it matches and the fields it overrides."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    match: StrictStr = Field(description="Pattern on the attention module FQN (glob or `re:`).")
+    format: Literal["flashq", "none"] | None = None
+    int2_heads: StrictInt | None = Field(None, ge=0)
+    buffer_tokens: StrictInt | None = Field(None, gt=0)
+
+    _pattern_ok = field_validator("match")(_check_pattern)
+    _buffer_ok = field_validator("buffer_tokens")(_check_buffer_tokens)
+
+
+class KVCachePolicy(KVCacheLayer):
+    """The ``kv_cache:`` block: layer defaults plus ordered rules (the last match wins)::
+
+        kv_cache:
+          format: flashq        # flashq | none
+          int2_heads: 2         # per layer
+          buffer_tokens: 64
+          rules:
+            - match: "*layers.0.self_attn"
+              int2_heads: 0
+    """
+
+    rules: tuple[KVCacheRule, ...] = Field((), description="Ordered per-layer overrides.")
+
+    _rules_ok = field_validator("rules", mode="before")(_empty_if_none)
+
+    def defaults(self) -> KVCacheLayer:
+        """The settings of a layer no rule matches."""
+        return KVCacheLayer(format=self.format, int2_heads=self.int2_heads, buffer_tokens=self.buffer_tokens)
+
+    def for_layer(self, fqn: str) -> KVCacheLayer:
+        """Settings of the layer whose attention module is ``fqn`` (last matching rule wins)."""
+        base = self.defaults()
+        for rule in reversed(self.rules):
+            if match_pattern(rule.match, fqn):
+                fields = rule.model_dump(exclude={"match"}, exclude_none=True)
+                return KVCacheLayer(**{**base.model_dump(), **fields})
+        return base
+
+    def to_dict(self) -> dict[str, Any]:
+        """The block as YAML would spell it."""
+        out = self.model_dump(exclude={"rules"})
+        out["rules"] = [rule.model_dump(exclude_none=True) for rule in self.rules]
+        return out
+
+
+def _kv_cache_problems(exc: ValidationError, data: Mapping[str, Any]) -> str:
+    """One sentence per error inside ``kv_cache:``, naming the rule and the field."""
+    sentences = []
+    for error in exc.errors():
+        loc, model, place = tuple(error["loc"]), KVCachePolicy, ""
+        if len(loc) >= 2 and loc[0] == "rules" and isinstance(loc[1], int):
+            rules = data.get("rules")
+            raw = rules[loc[1]] if isinstance(rules, list) and loc[1] < len(rules) else None
+            label = f" (match {_quote(raw['match'])})" if isinstance(raw, Mapping) and "match" in raw else ""
+            place, loc, model = f"rules[{loc[1]}]{label}", loc[2:], KVCacheRule
+        if error["type"] in ("extra_forbidden", "missing"):
+            text = _problem(error, model, str(loc[-1]) if loc else "")
+        else:
+            field = f"field `{loc[0]}`" if loc else ""
+            text = ": ".join(p for p in (field, _problem(error, model, "")) if p)
+        sentences.append(": ".join(p for p in (place, text) if p))
+    return "; ".join(sentences)
+
+
 class Policy(BaseModel):
     """A validated policy. Build it with :func:`load_policy`, :meth:`from_dict`,
     :meth:`from_yaml` or :meth:`from_file`; ask it with :meth:`decide`."""
@@ -243,6 +343,7 @@ class Policy(BaseModel):
     )
     strict: StrictBool = Field(False, description="A rule that matches no site is an error.")
     rules: tuple[Rule, ...] = Field((), description="Ordered rules; the last match wins.")
+    kv_cache: KVCachePolicy | None = Field(None, description="FlashQ KV cache per layer (optional).")
 
     _source: str = PrivateAttr(DICT_SOURCE)
 
@@ -263,6 +364,19 @@ class Policy(BaseModel):
     @classmethod
     def _default_options_ok(cls, value: Any, info: ValidationInfo) -> PresetOptions:
         return _resolve(info.data.get("default"), value)
+
+    @field_validator("kv_cache", mode="before")
+    @classmethod
+    def _kv_cache_ok(cls, value: Any) -> KVCachePolicy | None:
+        if value is None or isinstance(value, KVCachePolicy):
+            return value
+        if not isinstance(value, Mapping):
+            allowed = ", ".join(KVCachePolicy.model_fields)
+            raise ValueError(f"must be a mapping, got {_kind(value)}; allowed keys: {allowed}")
+        try:
+            return KVCachePolicy.model_validate(dict(value))
+        except ValidationError as exc:
+            raise ValueError(_kv_cache_problems(exc, value)) from None
 
     @field_validator("ignore")
     @classmethod
@@ -334,7 +448,7 @@ class Policy(BaseModel):
             "on_unsupported": self.on_unsupported,
             "strict": self.strict,
             "rules": [rule.to_dict() for rule in self.rules],
-        }
+        } | ({"kv_cache": self.kv_cache.to_dict()} if self.kv_cache is not None else {})
 
     def to_yaml(self) -> str:
         """YAML text of this policy; :func:`load_policy` reads it back to an equal policy."""
