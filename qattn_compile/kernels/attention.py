@@ -1,0 +1,444 @@
+"""The one flash-attention kernel template, specialised per preset by ``tl.constexpr`` switches.
+
+One program computes a ``BLOCK_M`` tile of query rows of one (batch, query head) against all
+visible key tiles with the online softmax in base 2 (scores are carried as ``S·log2(e)``; the
+softmax scale and log2(e) are folded into Q's scale). Switches:
+
+- ``QK_FMT``: :data:`QK_NATIVE` (fp16/bf16/fp32 dot), :data:`QK_INT8` (int8×int8→int32),
+  :data:`QK_INT4` (packed bytes split into even/odd-channel int8 registers, two int8 dots),
+  :data:`QK_FP8` (e4m3 dot). Scales: Q per row group ``Q_GROUP``, K per column group
+  ``K_GROUP`` (a per-tensor scale is a group of 1 with stride 0).
+- ``HAS_DS``: add SageAttention2's Q-smoothing term ΔS (one row per ``DS_GROUP`` queries).
+- ``P_FMT``: :data:`P_NATIVE` (P in V's dtype), :data:`P_INT8` (``round(127·P)``),
+  :data:`P_UINT8` (``round(255·P)``, fed to the signed dot as ``P − 128`` plus an exact
+  ``128·colsum(V̂)`` correction), :data:`P_FP8` (``fp8(448·P)``). ``l`` is summed from the
+  quantized P for the integer formats, from the float P before quantization otherwise.
+- ``EXP_MODE``: :data:`EXP_HW` (``exp2``; P's scale folded into the exponent) or
+  :data:`EXP_SAS` (TurboAttention's SAS: 2^floor by exponent bits × cubic on the fraction,
+  scores below the threshold → 0, tiles with no score above it skipped).
+- ``V_FMT``: :data:`V_NATIVE` (``[L, Dv]`` rows), :data:`V_INT8` / :data:`V_FP8`
+  (transposed ``[Dv, L_pad]``, K-major for Hopper's 8-bit MMAs). ``V_SCALE``:
+  :data:`VS_NONE`, :data:`VS_TILE` (one scale per ``V_GROUP`` tokens, applied to each tile's
+  ``P·V``; ``BLOCK_N`` divides ``V_GROUP``) or :data:`VS_CHANNEL` (per channel, per tensor with
+  stride 0, applied once at the end). ``SMOOTH_V`` adds the V mean back to O.
+- ``MASK_MODE``: :data:`MASK_NONE`, :data:`MASK_BOOL`, :data:`MASK_ADD` (tensor masks read
+  through the per-tile summary of :mod:`.mask`), combined with ``IS_CAUSAL`` (top-left).
+  Key tiles run in two phases: tiles that need no bounds/causal masking, then the diagonal /
+  ragged tail tiles with them.
+
+Fully masked rows give 0. The accumulator is float32 and updated as ``acc·α + dot(P, V)``
+(a fresh product added once per tile: SageAttention2's two-level accumulation for FP8).
+All global loads go through :func:`~.primitives.load_tile` so TMA descriptors can replace them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import mask as mask_codes
+from .primitives import load_tile, rint_to_int32, split_int4, store_tile, to_fp8_e4m3
+
+QK_NATIVE = tl.constexpr(0)
+QK_INT8 = tl.constexpr(1)
+QK_INT4 = tl.constexpr(2)
+QK_FP8 = tl.constexpr(3)
+
+P_NATIVE = tl.constexpr(0)
+P_INT8 = tl.constexpr(1)
+P_UINT8 = tl.constexpr(2)
+P_FP8 = tl.constexpr(3)
+
+V_NATIVE = tl.constexpr(0)
+V_INT8 = tl.constexpr(1)
+V_FP8 = tl.constexpr(2)
+
+VS_NONE = tl.constexpr(0)
+VS_TILE = tl.constexpr(1)
+VS_CHANNEL = tl.constexpr(2)
+
+EXP_HW = tl.constexpr(0)
+EXP_SAS = tl.constexpr(1)
+
+MASK_NONE = tl.constexpr(0)
+MASK_BOOL = tl.constexpr(1)
+MASK_ADD = tl.constexpr(2)
+
+TILE_SKIP = tl.constexpr(mask_codes.TILE_SKIP)
+TILE_FULL = tl.constexpr(mask_codes.TILE_FULL)
+TILE_MIXED = tl.constexpr(mask_codes.TILE_MIXED)
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# ----------------------------------------------------------------------------- loads
+
+
+@triton.jit
+def load_qk_tile(base, rows, stride_r, stride_c, n_rows, QK_FMT: tl.constexpr,
+                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """A Q or K tile (row-major, channels contiguous) as two operands ``(a, b)``.
+
+    INT4: the bytes ``[ROWS, BLOCK_D // 2]`` split into the even (``a``) and odd (``b``)
+    channels as int8 (:func:`qk_scores` adds their two dots: no interleaving shuffle).
+    Other formats: ``a = b`` = the ``[ROWS, BLOCK_D]`` tile. Channels beyond ``HEAD_D``
+    (padding to a power of two) read as 0; ``MASK_ROWS`` bounds-checks the rows.
+    """
+    if QK_FMT == QK_INT4:
+        cols = tl.arange(0, BLOCK_D // 2)
+        packed = load_tile(base, rows, cols, stride_r, stride_c, n_rows, (HEAD_D + 1) // 2,
+                           0.0, MASK_ROWS, (HEAD_D + 1) // 2 != BLOCK_D // 2)
+        a, b = split_int4(packed)
+    else:
+        cols = tl.arange(0, BLOCK_D)
+        a = load_tile(base, rows, cols, stride_r, stride_c, n_rows, HEAD_D, 0.0, MASK_ROWS,
+                      HEAD_D != BLOCK_D)
+        b = a
+    return a, b
+
+
+@triton.jit
+def load_v_tile(v_base, offs_n, svl, svd, Lkv, V_FMT: tl.constexpr, HEAD_DV: tl.constexpr,
+                BLOCK_DV: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """V tile ``[BLOCK_N, BLOCK_DV]``: rows of ``[L, Dv]`` (native) or the transpose of a
+    ``[BLOCK_DV, BLOCK_N]`` tile of the K-major ``[Dv, L_pad]`` 8-bit layout."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if V_FMT == V_NATIVE:
+        v = load_tile(v_base, offs_n, offs_dv, svl, svd, Lkv, HEAD_DV, 0.0, MASK_ROWS,
+                      HEAD_DV != BLOCK_DV)
+    else:
+        v_t = load_tile(v_base, offs_dv, offs_n, svd, svl, HEAD_DV, Lkv, 0.0,
+                        HEAD_DV != BLOCK_DV, MASK_ROWS)
+        v = tl.trans(v_t)
+    return v
+
+
+@triton.jit
+def _load_v_colsum(cs_base, start_n, Lkv, scsc, CS_CHUNK: tl.constexpr, HEAD_DV: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr):
+    """int32 ``[BLOCK_DV]`` channel sums of V̂ over key tile ``[start_n, start_n + BLOCK_N)``,
+    added up from the quantizer's per-``CS_CHUNK``-token sums (chunk stride ``scsc``)."""
+    chunks = start_n // CS_CHUNK + tl.arange(0, BLOCK_N // CS_CHUNK)
+    sums = load_tile(cs_base, chunks, tl.arange(0, BLOCK_DV), scsc, 1, tl.cdiv(Lkv, CS_CHUNK),
+                     HEAD_DV, 0, MASKED, HEAD_DV != BLOCK_DV)
+    return tl.sum(sums, axis=0)
+
+
+@triton.jit
+def _load_group_scale(base, offs, n, stride, GROUP: tl.constexpr, MASKED: tl.constexpr):
+    """Per-token scales ``base[(offs // GROUP) * stride]`` (``[len(offs)]`` float32; 1 beyond
+    ``n`` when ``MASKED``)."""
+    if MASKED:
+        scale = tl.load(base + (offs // GROUP) * stride, mask=offs < n, other=1.0)
+    else:
+        scale = tl.load(base + (offs // GROUP) * stride)
+    return scale
+
+
+# ----------------------------------------------------------------------------- tile math
+
+
+@triton.jit
+def qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """Scores ``[BLOCK_M, BLOCK_N]`` in log2 units from Q and K tiles as returned by
+    :func:`load_qk_tile` (``q2``/``k2``: the odd channels for INT4, else unused).
+
+    Native: ``(Q·Kᵀ)·qk_scale`` (qk_scale = softmax scale·log2 e). Quantized:
+    ``(Q̂·K̂ᵀ)·q_scale[:, None]·k_scale[None, :]`` with the softmax scale and log2 e already
+    in ``q_scale``; integer formats accumulate in int32 (exact).
+    """
+    if QK_FMT == QK_NATIVE:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    else:
+        if QK_FMT == QK_FP8:
+            raw = tl.dot(q, tl.trans(k))
+        elif QK_FMT == QK_INT4:
+            raw_int = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
+            raw = (raw_int + tl.dot(q2, tl.trans(k2), out_dtype=tl.int32)).to(tl.float32)
+        else:
+            raw = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+        s = raw * q_scale[:, None] * k_scale[None, :]
+    return s
+
+
+@triton.jit
+def sas_exp2(y, thr_log2, c0, c1, c2, c3):
+    """TurboAttention's SAS ``2^y`` for ``y <= 0`` (log2 units): ``2^floor(y)`` built from
+    exponent bits times ``((c3·f + c2)·f + c1)·f + c0`` on the fraction ``f``; ``y < thr_log2``
+    (and ``-inf``) give exactly 0."""
+    yc = tl.maximum(tl.minimum(y, 0.0), tl.floor(thr_log2) - 1.0)
+    n = tl.floor(yc)
+    f = yc - n
+    poly = ((c3 * f + c2) * f + c1) * f + c0
+    pow2n = tl.cast((n.to(tl.int32) + 127) << 23, tl.float32, bitcast=True)
+    return tl.where(y < thr_log2, 0.0, poly * pow2n)
+
+
+@triton.jit
+def softmax_probs(y, thr_log2, c0, c1, c2, c3, P_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
+                  EXACT_FP8: tl.constexpr):
+    """Probabilities of the shifted scores ``y = S·log2 e − m`` (``[BLOCK_M, BLOCK_N]``).
+
+    P = 1 maps to ``pmax`` = 127 (INT8), 255 (UINT8), 448 (FP8) or 1 (native). Returns
+    ``(p, row_sum)``: ``p`` in the format the ``P·V`` dot takes (P_UINT8 already shifted by
+    −128) and the per-row sum that ``l`` accumulates, in ``pmax`` units: of the quantized P
+    for INT8/UINT8, of the float P before rounding for FP8/native (native P stays float32;
+    :func:`pv_product` casts it to V's dtype). With the hardware exp, ``pmax`` is folded into
+    the exponent: ``exp2(y + log2 pmax)``.
+    """
+    if P_FMT == P_INT8:
+        log2_pmax = 6.988684686772166  # log2(127)
+        pmax = 127.0
+    elif P_FMT == P_UINT8:
+        log2_pmax = 7.994353436858858  # log2(255)
+        pmax = 255.0
+    elif P_FMT == P_FP8:
+        log2_pmax = 8.807354922057604  # log2(448)
+        pmax = 448.0
+    else:
+        log2_pmax = 0.0
+        pmax = 1.0
+    if EXP_MODE == EXP_SAS:
+        p = sas_exp2(y, thr_log2, c0, c1, c2, c3) * pmax
+    else:
+        p = tl.math.exp2(y + log2_pmax)
+    if P_FMT == P_INT8 or P_FMT == P_UINT8:
+        p_int = rint_to_int32(p)
+        row_sum = tl.sum(p_int, axis=1).to(tl.float32)
+        if P_FMT == P_UINT8:
+            p_int = p_int - 128
+        p_out = p_int.to(tl.int8)
+    else:
+        row_sum = tl.sum(p, axis=1)
+        if P_FMT == P_FP8:
+            p_out = to_fp8_e4m3(p, EXACT_FP8)
+        else:
+            p_out = p
+    return p_out, row_sum
+
+
+@triton.jit
+def pv_product(p, v, v_colsum, P_FMT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``P·V`` of one tile as float32 ``[BLOCK_M, BLOCK_DV]`` (a fresh product, not yet
+    accumulated). P_UINT8: ``(P − 128)·V̂ + 128·colsum(V̂)`` in int32, exactly ``P̂·V̂``
+    (``v_colsum``: int32 ``[BLOCK_DV]`` channel sums of the tile's V̂, from the quantizer)."""
+    if P_FMT == P_INT8:
+        pv = tl.dot(p, v, out_dtype=tl.int32).to(tl.float32)
+    elif P_FMT == P_UINT8:
+        shifted = tl.dot(p, v, out_dtype=tl.int32)
+        pv = (shifted + 128 * v_colsum[None, :]).to(tl.float32)
+    elif P_FMT == P_FP8:
+        pv = tl.dot(p, v)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return pv
+
+
+# ----------------------------------------------------------------------------- one key tile
+
+
+@triton.jit
+def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
+                     MASK_MODE: tl.constexpr):
+    """Apply the tensor mask to scores ``s`` ``[BLOCK_M, BLOCK_N]`` (log2 units): bool False
+    → ``-inf``, additive values added times log2 e. The load is predicated on the tile's
+    summary ``code`` being mixed (a full tile reads nothing and changes nothing), so no
+    branch stops the loop's loads from being pipelined."""
+    mixed = (tl.zeros_like(offs_n) + code) == TILE_MIXED  # the scalar code as a [BLOCK_N] row
+    inside = (offs_m[:, None] < Lq) & ((offs_n < Lkv) & mixed)[None, :]
+    ptrs = mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn
+    if MASK_MODE == MASK_BOOL:
+        keep = tl.load(ptrs, mask=inside, other=1)
+        s = tl.where(keep != 0, s, float("-inf"))
+    else:
+        s += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    return s
+
+
+@triton.jit
+def _tile_step(
+    acc, m_i, l_i, q, q2, q_scale, start_m, start_n,
+    k_base, v_base, ks_base, vs_base, ds_row, mask_base, cs_base, code,
+    Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3,
+    skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
+    QK_FMT: tl.constexpr, P_FMT: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
+    EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
+    BOUNDED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr,
+    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, CS_CHUNK: tl.constexpr, EXACT_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Fold key tile ``[start_n, start_n + BLOCK_N)`` into the online-softmax state.
+
+    State: ``acc`` float32 ``[BLOCK_M, BLOCK_DV]``, ``m_i``/``l_i`` float32 ``[BLOCK_M]``
+    (running max in log2 units, running sum in units of the P format's scale). ``code``: the
+    tile's mask summary (a mixed tile reads the tensor mask). ``BOUNDED``: mask keys
+    ``>= Lkv`` and, with ``IS_CAUSAL``, keys after the query. Returns ``(acc, m_i, l_i)``.
+    """
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k, k2 = load_qk_tile(k_base, offs_n, skl, skd, Lkv, QK_FMT, HEAD_D, BLOCK_D, BOUNDED)
+    k_scale = _load_group_scale(ks_base, offs_n, Lkv, sksg, K_GROUP, BOUNDED)
+    s = qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT, DOT_PRECISION)
+    if HAS_DS:
+        if BOUNDED:
+            s += tl.load(ds_row + offs_n, mask=offs_n < Lkv, other=0.0)[None, :]
+        else:
+            s += tl.load(ds_row + offs_n)[None, :]
+    if MASK_MODE != MASK_NONE:
+        s = _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code, MASK_MODE)
+    if BOUNDED:
+        keep = offs_n[None, :] < Lkv
+        if IS_CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    m_tile = tl.max(s, axis=1)
+    if EXP_MODE == EXP_SAS:
+        # The tile matters only if some row has a score above the threshold relative to
+        # the running max (m_i can only grow, so those below stay below).
+        above = (m_tile >= m_i + thr_log2) & (m_tile > float("-inf"))
+        live = tl.max(above.to(tl.int32), axis=0) > 0
+    else:
+        live = True
+    if live:
+        m_new = tl.maximum(m_i, m_tile)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p, row_sum = softmax_probs(s - m_use[:, None], thr_log2, c0, c1, c2, c3, P_FMT,
+                                   EXP_MODE, EXACT_FP8)
+        v = load_v_tile(v_base, offs_n, svl, svd, Lkv, V_FMT, HEAD_DV, BLOCK_DV, BOUNDED)
+        if P_FMT == P_UINT8:
+            v_colsum = _load_v_colsum(cs_base, start_n, Lkv, scsc, CS_CHUNK, HEAD_DV,
+                                      BLOCK_N, BLOCK_DV, BOUNDED)
+        else:
+            v_colsum = 0
+        pv = pv_product(p, v, v_colsum, P_FMT, DOT_PRECISION)
+        if V_SCALE == VS_TILE:
+            pv = pv * tl.load(vs_base + (start_n // V_GROUP) * svsg)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + row_sum
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    qs_ptr, ks_ptr, vs_ptr, ds_ptr, vmean_ptr, mask_ptr, sum_ptr, tiles_ptr, cnt_ptr, cs_ptr,
+    Lq, Lkv, n_heads_q, hq_per_kv,
+    qk_scale, thr_log2, c0, c1, c2, c3,
+    sqb, sqh, sql, sqd,
+    skb, skh, skl, skd,
+    svb, svh, svl, svd,
+    sob, soh, sol, sod,
+    sqsb, sqsh, sqsg,
+    sksb, sksh, sksg,
+    svsb, svsh, svsg,
+    sdsb, sdsh, sdsg,
+    svmb, svmh,
+    scsb, scsh, scsc,
+    smb, smh, smm, smn,
+    ssb, ssh, ssm, ssn,
+    stb, sth, stm, stn,
+    scnb, scnh, scnm,
+    QK_FMT: tl.constexpr, P_FMT: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
+    EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_DS: tl.constexpr, SMOOTH_V: tl.constexpr,
+    Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, DS_GROUP: tl.constexpr,
+    CS_CHUNK: tl.constexpr,
+    EXACT_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Attention of query rows ``[pid_m·BLOCK_M, …)`` of (batch, query head) ``pid_bh``.
+
+    Grid ``(cdiv(Lq, BLOCK_M), B·Hq)``. q ``[B, Hq, Lq, D]`` (INT4: ``[.., ceil(D/2)]``
+    bytes), k ``[B, Hkv, Lkv, D]`` (likewise), v ``[B, Hkv, Lkv, Dv]`` native or ``[B, Hkv, Dv,
+    L_pad]`` 8-bit (the launcher passes (token, channel) strides), o ``[B, Hq, Lq, Dv]``.
+    Scales: qs ``[B, Hq, nq]``, ks ``[B, Hkv, nk]``, vs ``[B, Hkv, nv]`` or ``[B, Hkv, Dv]``;
+    ds ``[B, Hq, n_blocks, Lkv]``; vmean ``[B, Hkv, 1, Dv]``; cs (P_UINT8) int32 ``[B, Hkv,
+    cdiv(Lkv, CS_CHUNK), Dv]`` channel sums of V̂; mask ``[B, Hq, Lq, Lkv]`` and
+    its summary codes / live-tile lists ``[B, Hq, n_m, n_n]`` and counts ``[B, Hq, n_m]``
+    (:class:`.mask.MaskPlan`; stride 0 on broadcast dims). Query head ``h`` reads
+    kv head ``h // hq_per_kv`` (GQA without repeating K/V).
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads_q
+    hq = pid_bh % n_heads_q
+    hkv = hq // hq_per_kv
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q, q2 = load_qk_tile(q_ptr + b * sqb + hq * sqh, offs_m, sql, sqd, Lq, QK_FMT, HEAD_D,
+                         BLOCK_D, True)
+    q_scale = _load_group_scale(qs_ptr + b * sqsb + hq * sqsh, offs_m, Lq, sqsg, Q_GROUP, True)
+    k_base = k_ptr + b * skb + hkv * skh
+    v_base = v_ptr + b * svb + hkv * svh
+    ks_base = ks_ptr + b * sksb + hkv * sksh
+    vs_base = vs_ptr + b * svsb + hkv * svsh
+    ds_row = ds_ptr + b * sdsb + hq * sdsh + (start_m // DS_GROUP) * sdsg
+    mask_base = mask_ptr + b * smb + hq * smh
+    cs_base = cs_ptr + b * scsb + hkv * scsh
+
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+
+    if MASK_MODE == MASK_NONE:
+        # Phase 1: key tiles that need neither bounds nor causal masking; phase 2: the rest.
+        hi = Lkv
+        full_hi = (Lkv // BLOCK_N) * BLOCK_N
+        if IS_CAUSAL:
+            hi = tl.minimum(Lkv, start_m + BLOCK_M)
+            full_hi = tl.minimum(full_hi, ((start_m + 1) // BLOCK_N) * BLOCK_N)
+        for start_n in range(0, full_hi, BLOCK_N):
+            acc, m_i, l_i = _tile_step(
+                acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, ks_base,
+                vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2,
+                c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
+                QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, False, IS_CAUSAL, HAS_DS,
+                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION,
+                HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+        for start_n in range(full_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _tile_step(
+                acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, ks_base,
+                vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2,
+                c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
+                QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL, HAS_DS,
+                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION,
+                HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    else:
+        # Tensor mask: only the key tiles the summary does not skip, bounds always checked.
+        n_live = tl.load(cnt_ptr + b * scnb + hq * scnh + pid_m * scnm)
+        tile_base = tiles_ptr + b * stb + hq * sth + pid_m * stm
+        code_base = sum_ptr + b * ssb + hq * ssh + pid_m * ssm
+        for i in range(0, n_live):
+            n_tile = tl.load(tile_base + i * stn)
+            code = tl.load(code_base + n_tile * ssn)
+            acc, m_i, l_i = _tile_step(
+                acc, m_i, l_i, q, q2, q_scale, start_m, n_tile * BLOCK_N, k_base, v_base,
+                ks_base, vs_base, ds_row, mask_base, cs_base, code, Lq, Lkv, qk_scale,
+                thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
+                QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL, HAS_DS,
+                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION,
+                HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+
+    if V_SCALE == VS_CHANNEL:
+        acc = acc * tl.load(vs_base + offs_dv * svsg, mask=offs_dv < HEAD_DV, other=0.0)[None, :]
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SMOOTH_V:
+        vmean = tl.load(vmean_ptr + b * svmb + hkv * svmh + offs_dv, mask=offs_dv < HEAD_DV,
+                        other=0.0)
+        o += vmean[None, :]
+    o = tl.where(seen[:, None], o, 0.0)
+    store_tile(o_ptr + b * sob + hq * soh, o, offs_m, offs_dv, sol, sod, Lq, HEAD_DV, True,
+               HEAD_DV != BLOCK_DV)
+

@@ -1,0 +1,197 @@
+"""The one table of launch parameters (tile sizes, warps, pipeline stages) for every kernel.
+
+Attention kernels are looked up by ``(preset, padded head dim, arch)``; quantizer kernels by
+``(padded head dim, arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
+anything else with CUDA) or ``"interp"`` (the Triton interpreter on CPU tensors, where small
+tiles keep tests fast and still cover several tiles per row).
+
+Constraints the launchers rely on (checked by :func:`attention_config`):
+
+- ``block_n`` divides :data:`~qattn_compile.blocks.QUANT_BLOCK_KV` whenever V carries one
+  scale per block of tokens (a tile of V tokens then has one scale);
+- ``block_m`` divides :data:`~qattn_compile.blocks.SMOOTH_Q_BLOCK` (a query tile then shares
+  one Q-smoothing mean, so ΔS is one row per tile);
+- ``block_n`` is a multiple of :data:`V_COLSUM_TOKENS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..blocks import QUANT_BLOCK_KV, SMOOTH_Q_BLOCK
+
+
+V_COLSUM_TOKENS = 32
+"""Tokens per int32 channel sum of V̂ written by the quantizer for fmha_int8's UINT8-P
+correction; every ``block_n`` is a multiple of it (the kernel adds ``block_n / 32`` sums)."""
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of the attention kernel: a ``block_m`` × ``block_n`` score tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Launch parameters of the quantizer kernels: ``block_t`` tokens per program step."""
+
+    block_t: int
+    num_warps: int
+
+
+_PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", "fp8")
+_DIMS = (32, 64, 128, 256)
+
+# Defaults per operand width (bytes of the dot operands) × padded head dim × arch.
+# sm90: the largest tiles whose sm_90a build spills (almost) no registers with pointer loads
+# (ptxas -v), checked by the D=128 sweep of benchmarks/kernel_check.py on the H100
+# (triton 3.6: 128×64, 8 warps, 3 stages fastest or tied for flash, sage2_8b, fp8);
+# 256-wide heads need 8 warps on a 64-row tile.
+_FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
+    ("8bit", 32, "sm90"): AttentionConfig(128, 64, 8, 3),
+    ("8bit", 64, "sm90"): AttentionConfig(128, 64, 8, 3),
+    ("8bit", 128, "sm90"): AttentionConfig(128, 64, 8, 3),
+    ("8bit", 256, "sm90"): AttentionConfig(64, 32, 8, 2),
+    ("16bit", 32, "sm90"): AttentionConfig(128, 64, 4, 3),
+    ("16bit", 64, "sm90"): AttentionConfig(128, 64, 4, 3),
+    ("16bit", 128, "sm90"): AttentionConfig(128, 64, 8, 3),
+    ("16bit", 256, "sm90"): AttentionConfig(64, 32, 8, 2),
+    ("32bit", 32, "sm90"): AttentionConfig(64, 32, 4, 2),
+    ("32bit", 64, "sm90"): AttentionConfig(64, 32, 4, 2),
+    ("32bit", 128, "sm90"): AttentionConfig(64, 32, 4, 2),
+    ("32bit", 256, "sm90"): AttentionConfig(32, 32, 4, 1),
+    # Ampere-class and unknown CUDA GPUs: conservative shapes.
+    ("8bit", 32, "sm80"): AttentionConfig(64, 64, 4, 2),
+    ("8bit", 64, "sm80"): AttentionConfig(64, 64, 4, 2),
+    ("8bit", 128, "sm80"): AttentionConfig(64, 64, 4, 2),
+    ("8bit", 256, "sm80"): AttentionConfig(64, 32, 8, 1),
+    ("16bit", 32, "sm80"): AttentionConfig(64, 64, 4, 2),
+    ("16bit", 64, "sm80"): AttentionConfig(64, 64, 4, 2),
+    ("16bit", 128, "sm80"): AttentionConfig(64, 32, 4, 2),
+    ("16bit", 256, "sm80"): AttentionConfig(32, 32, 4, 1),
+    ("32bit", 32, "sm80"): AttentionConfig(64, 32, 4, 1),
+    ("32bit", 64, "sm80"): AttentionConfig(64, 32, 4, 1),
+    ("32bit", 128, "sm80"): AttentionConfig(32, 32, 4, 1),
+    ("32bit", 256, "sm80"): AttentionConfig(32, 32, 4, 1),
+}
+
+# Measured per-preset winners that differ from their family default (H100, triton 3.6,
+# B=4, H=32, N=4096, D=128 sweep): int_flash 474 TOPS at 128×128/8/2 vs 438 at 128×64/8/3.
+_MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
+    ("int_flash", 128, "sm90"): AttentionConfig(128, 128, 8, 2),
+}
+
+
+def _family(preset: str, dtype: torch.dtype) -> str:
+    """Operand width family: quantized presets use 8-bit dots, ``flash`` the input dtype."""
+    if preset != "flash":
+        return "8bit"
+    return {torch.float32: "32bit"}.get(dtype, "16bit")
+
+
+def _table_key_dtype(dtype: torch.dtype) -> str:
+    """The dtype part of a table key: only ``flash`` tiles depend on the input dtype."""
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+# THE table: (preset, input dtype class, padded head dim, arch) -> AttentionConfig.
+_ATTENTION_TABLE: dict[tuple[str, str, int, str], AttentionConfig] = {
+    (preset, dt, dim, arch): _MEASURED.get(
+        (preset, dim, arch),
+        _FAMILY_DEFAULTS[(_family(preset, torch.float32 if dt == "fp32" else torch.float16),
+                          dim, arch)],
+    )
+    for preset in _PRESETS
+    for dt in ("16bit", "fp32")
+    for dim in _DIMS
+    for arch in ("sm90", "sm80")
+}
+
+# The interpreter: every head dim, every family (tests cover several tiles per row).
+_INTERP_ATTENTION = AttentionConfig(32, 32, 4, 1)
+
+_QUANT_TABLE: dict[str, QuantConfig] = {
+    "sm90": QuantConfig(block_t=64, num_warps=4),
+    "sm80": QuantConfig(block_t=64, num_warps=4),
+    "interp": QuantConfig(block_t=32, num_warps=4),
+}
+
+
+def arch_of(device: torch.device) -> str:
+    """``"interp"`` for CPU tensors (Triton interpreter), else ``"sm90"`` / ``"sm80"``."""
+    if device.type != "cuda":
+        return "interp"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major == 9 else "sm80"
+
+
+def padded_dim(d: int) -> int:
+    """Head dim rounded up to a power of two, at least 32 (the smallest reduction extent of
+    an 8-bit ``tl.dot``)."""
+    return max(32, 1 << (int(d) - 1).bit_length())
+
+
+def qk_block_dim(head_dim: int, packed_int4: bool) -> int:
+    """``BLOCK_D`` of the Q·Kᵀ dot: the padded head dim; packed INT4 runs two dots over half
+    the channels each, which must still reach the 32-wide reduction of an 8-bit dot."""
+    return max(padded_dim(head_dim), 64) if packed_int4 else padded_dim(head_dim)
+
+
+def attention_config(
+    preset: str,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float16,
+    *,
+    per_block_v: bool = False,
+    smooth_q: bool = False,
+    override: AttentionConfig | None = None,
+) -> AttentionConfig:
+    """Tile sizes for the attention kernel of ``preset`` at ``head_dim`` on ``device`` for
+    inputs of ``dtype`` (``override``: a caller's choice, e.g. a benchmark sweep).
+
+    ``per_block_v``/``smooth_q`` state which divisibility constraints (module docstring)
+    apply: a table entry is shrunk to meet them (e.g. ``int_flash`` with per-block V keeps
+    64-token key tiles); an ``override`` that breaks one raises ``ValueError``.
+    """
+    arch = arch_of(device)
+    if override is not None:
+        cfg = override
+    else:
+        if arch == "interp":
+            cfg = _INTERP_ATTENTION
+        else:
+            cfg = _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), padded_dim(head_dim), arch)]
+        if per_block_v:
+            cfg = replace(cfg, block_n=math.gcd(cfg.block_n, QUANT_BLOCK_KV))
+        if smooth_q:
+            cfg = replace(cfg, block_m=math.gcd(cfg.block_m, SMOOTH_Q_BLOCK))
+    if cfg.block_n % V_COLSUM_TOKENS:
+        raise ValueError(f"block_n={cfg.block_n} must be a multiple of {V_COLSUM_TOKENS}")
+    if per_block_v and QUANT_BLOCK_KV % cfg.block_n:
+        raise ValueError(f"block_n={cfg.block_n} must divide QUANT_BLOCK_KV={QUANT_BLOCK_KV}")
+    if smooth_q and SMOOTH_Q_BLOCK % cfg.block_m:
+        raise ValueError(f"block_m={cfg.block_m} must divide SMOOTH_Q_BLOCK={SMOOTH_Q_BLOCK}")
+    return cfg
+
+
+def quant_config(head_dim: int, device: torch.device, min_tokens: int = 1) -> QuantConfig:
+    """Launch parameters of the quantizer/smoothing kernels for ``head_dim`` on ``device``.
+
+    ``min_tokens``: token groups reduced inside one tile need a tile of at least that many
+    tokens. Wide heads halve the token tile; warps grow with the tile (≈ 8K elements per 4
+    warps, at most 16 warps).
+    """
+    base = _QUANT_TABLE[arch_of(device)]
+    dim = padded_dim(head_dim)
+    block_t = max(base.block_t // 2 if dim >= 256 else base.block_t, min_tokens)
+    warps = min(16, max(base.num_warps, base.num_warps * block_t * dim // 8192))
+    return QuantConfig(block_t=block_t, num_warps=warps)

@@ -1,0 +1,458 @@
+"""Launchers: prepare each preset's operands (smooth, quantize) and run the attention kernel.
+
+Each preset maps to one :class:`Operands` — the kernel-format Q/K/V, their scales and the
+``tl.constexpr`` switches of :func:`.attention.attention_kernel` — built by one small
+``_prepare_*`` function that states the preset's math (:mod:`qattn_compile.presets`).
+Token-group sizes come from :func:`qattn_compile.blocks.group_sizes`; tile sizes from
+:mod:`.heuristics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from ..blocks import SMOOTH_Q_BLOCK, group_sizes
+from ..presets import PresetOptions, resolve_options
+from ..reference.sas import SAS_POLY
+from . import attention as ak
+from .heuristics import (
+    V_COLSUM_TOKENS,
+    AttentionConfig,
+    arch_of,
+    attention_config,
+    padded_dim,
+    qk_block_dim,
+)
+from .mask import MaskPlan, plan_mask
+from .primitives import interpreted
+from .quantize import (
+    Quantized,
+    delta_s,
+    quantize_fp8,
+    quantize_fp8_per_channel,
+    quantize_int,
+    smooth_mean,
+)
+
+logger = logging.getLogger(__name__)
+
+LOG2E = math.log2(math.e)
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_PRESETS = ("sage2_8b", "sage2_4b", "fp8")
+
+
+@dataclass
+class Operands:
+    """What the kernel reads for one call (see :func:`.attention.attention_kernel`).
+
+    ``q``/``k``/``v``: kernel-format data; ``v_transposed``: V stored ``[B, H, Dv, L_pad]``.
+    ``q_scale``/``k_scale``: float32 ``[B, H, n_groups]`` with ``q_group``/``k_group`` tokens
+    per scale (None: native operands). ``v_scale``: float32 per V token group (``v_group``
+    tokens, applied per tile) or per channel (``v_per_channel``); None for native V.
+    ``delta_s``: float32 ``[B, Hq, n_blocks, Lkv]``; ``v_mean``: float32 ``[B, Hkv, 1, Dv]``;
+    ``v_colsum``: int32 ``[B, Hkv, n_chunks, Dv]`` sums of V̂ per ``V_COLSUM_TOKENS`` tokens.
+    ``switches``: the format constexprs (QK_FMT, P_FMT, V_FMT, EXP_MODE).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    switches: dict
+    q_scale: Tensor | None = None
+    q_group: int = 1
+    k_scale: Tensor | None = None
+    k_group: int = 1
+    v_scale: Tensor | None = None
+    v_group: int = 1
+    v_per_channel: bool = False
+    v_transposed: bool = False
+    delta_s: Tensor | None = None
+    v_mean: Tensor | None = None
+    v_colsum: Tensor | None = None
+    sas_threshold: float = -6.0
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def _switches(qk: int, p: int, v: int, exp: int = 0) -> dict:
+    """The format constexprs of the kernel."""
+    return {"QK_FMT": qk, "P_FMT": p, "V_FMT": v, "EXP_MODE": exp}
+
+
+def _with_q(ops: Operands, qq: Quantized, kq: Quantized) -> Operands:
+    """Fill Q/K scales and groups from quantizer outputs."""
+    ops.q_scale, ops.q_group = qq.scale, qq.group
+    ops.k_scale, ops.k_group = kq.scale, kq.group
+    return ops
+
+
+def _with_v(ops: Operands, vq: Quantized) -> Operands:
+    """Fill V's scale description from a quantizer output (per group or per channel)."""
+    ops.v_scale, ops.v_group = vq.scale, vq.group
+    ops.v_per_channel, ops.v_transposed = vq.per_channel, vq.transposed
+    return ops
+
+
+def _prepare_flash(q, k, v, opts, qk_mul, static) -> Operands:
+    """FlashAttention: native operands, exact softmax."""
+    return Operands(q, k, v, _switches(ak.QK_NATIVE, ak.P_NATIVE, ak.V_NATIVE))
+
+
+def _prepare_int_flash(q, k, v, opts, qk_mul, static) -> Operands:
+    """INT-FlashAttention: Q, K INT8 per token; P = round(127·P); V INT8 per tensor/block."""
+    lq, lkv = q.shape[2], k.shape[2]
+    gq, gk = group_sizes("token", lq, lkv)
+    qq = quantize_int(q, gq, 8, scale_mul=qk_mul)
+    kq = quantize_int(k, gk, 8)
+    vq = quantize_int(v, group_sizes(opts.v_granularity, lq, lkv)[1], 8, transpose=True)
+    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8))
+    return _with_v(_with_q(ops, qq, kq), vq)
+
+
+def _prepare_fmha_int8(q, k, v, opts, qk_mul, static) -> Operands:
+    """INT8 FMHA: Q, K, V INT8 per tensor (dynamic or static α); P = round(255·P) (UINT8)."""
+    lq, lkv = q.shape[2], k.shape[2]
+    gq, gk = group_sizes("tensor", lq, lkv)
+    amax = (lambda key: None) if static is None else static.get
+    qq = quantize_int(q, gq, 8, scale_mul=qk_mul, amax=amax("q"))
+    kq = quantize_int(k, gk, 8, amax=amax("k"))
+    vq = quantize_int(v, gk, 8, amax=amax("v"), transpose=True, colsum_chunk=V_COLSUM_TOKENS)
+    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_UINT8, ak.V_INT8))
+    ops.v_colsum = vq.colsum
+    return _with_v(_with_q(ops, qq, kq), vq)
+
+
+def _prepare_sage2(q, k, v, opts, qk_mul, static, num_bits: int) -> Operands:
+    """SageAttention2: smoothed INT8/INT4 Q, K (ΔS added back), FP8 P, FP8 per-channel V."""
+    lq, lkv = q.shape[2], k.shape[2]
+    gq, gk = group_sizes(opts.qk_granularity, lq, lkv)
+    k_mean = smooth_mean(k) if opts.smooth_k else None
+    q_mean = smooth_mean(q, SMOOTH_Q_BLOCK) if opts.smooth_q else None
+    qq = quantize_int(q, gq, num_bits, scale_mul=qk_mul, mean=q_mean, mean_group=SMOOTH_Q_BLOCK)
+    kq = quantize_int(k, gk, num_bits, mean=k_mean)
+    vq = quantize_fp8_per_channel(v, smooth=opts.smooth_v)
+    qk_fmt = ak.QK_INT8 if num_bits == 8 else ak.QK_INT4
+    # Packed INT4 bytes are read as int8 so that arithmetic shifts sign-extend the nibbles.
+    q_data, k_data = qq.data.view(torch.int8), kq.data.view(torch.int8)
+    ops = Operands(q_data, k_data, vq.data, _switches(qk_fmt, ak.P_FP8, ak.V_FP8))
+    if q_mean is not None:
+        ops.delta_s = delta_s(q_mean, k, k_mean, qk_mul)
+    ops.v_mean = vq.mean
+    return _with_v(_with_q(ops, qq, kq), vq)
+
+
+def _prepare_sage2_8b(q, k, v, opts, qk_mul, static) -> Operands:
+    """SageAttention2 8-bit (INT8 Q, K)."""
+    return _prepare_sage2(q, k, v, opts, qk_mul, static, 8)
+
+
+def _prepare_sage2_4b(q, k, v, opts, qk_mul, static) -> Operands:
+    """SageAttention2 4-bit (INT4 Q, K packed two per byte)."""
+    return _prepare_sage2(q, k, v, opts, qk_mul, static, 4)
+
+
+def _prepare_turbo(q, k, v, opts, qk_mul, static) -> Operands:
+    """TurboAttention: FlashQ blockwise INT8 Q, K, V; SAS (or hardware) exp; P = round(127·P)."""
+    lq, lkv = q.shape[2], k.shape[2]
+    gq, gk = group_sizes("block", lq, lkv)
+    qq = quantize_int(q, gq, 8, scale_mul=qk_mul)
+    kq = quantize_int(k, gk, 8)
+    vq = quantize_int(v, gk, 8, transpose=True)
+    exp = ak.EXP_SAS if opts.exp == "sas" else ak.EXP_HW
+    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8, exp))
+    ops.sas_threshold = opts.sas_threshold
+    return _with_v(_with_q(ops, qq, kq), vq)
+
+
+def _prepare_fp8(q, k, v, opts, qk_mul, static) -> Operands:
+    """FlashAttention-3-style FP8: Q, K, V e4m3 per tensor/block; P = fp8(448·P)."""
+    lq, lkv = q.shape[2], k.shape[2]
+    gq, gk = group_sizes(opts.granularity, lq, lkv)
+    qq = quantize_fp8(q, gq, scale_mul=qk_mul)
+    kq = quantize_fp8(k, gk)
+    vq = quantize_fp8(v, gk, transpose=True)
+    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_FP8, ak.P_FP8, ak.V_FP8))
+    return _with_v(_with_q(ops, qq, kq), vq)
+
+
+_PREPARE = {
+    "flash": _prepare_flash,
+    "int_flash": _prepare_int_flash,
+    "fmha_int8": _prepare_fmha_int8,
+    "sage2_8b": _prepare_sage2_8b,
+    "sage2_4b": _prepare_sage2_4b,
+    "turbo": _prepare_turbo,
+    "fp8": _prepare_fp8,
+}
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def _scale_args(scale: Tensor | None, group: int, dummy: Tensor) -> tuple[Tensor, int, tuple]:
+    """(pointer, constexpr group, (stride_b, stride_h, stride_group)) of a ``[B, H, n]``
+    scale; one group (per tensor) is group 1 with stride 0, no scale a dummy."""
+    if scale is None:
+        return dummy, 1, (0, 0, 0)
+    sb, sh, sg = scale.stride()
+    if scale.shape[-1] == 1:
+        return scale, 1, (sb, sh, 0)
+    return scale, group, (sb, sh, sg)
+
+
+def _v_scale_args(ops: Operands, dummy: Tensor) -> tuple[Tensor, int, int, tuple]:
+    """(pointer, V_SCALE mode, V_GROUP, strides) of V's scale (see the kernel's docstring)."""
+    if ops.v_scale is None:
+        return dummy, int(ak.VS_NONE), 1, (0, 0, 0)
+    sb, sh, sg = ops.v_scale.stride()
+    if ops.v_per_channel:
+        return ops.v_scale, int(ak.VS_CHANNEL), 1, (sb, sh, sg)
+    if ops.v_scale.shape[-1] == 1:  # per tensor: a per-channel scale with channel stride 0
+        return ops.v_scale, int(ak.VS_CHANNEL), 1, (sb, sh, 0)
+    return ops.v_scale, int(ak.VS_TILE), ops.v_group, (sb, sh, sg)
+
+
+def _launch(
+    ops: Operands,
+    out: Tensor,
+    shape: tuple[int, int, int, int, int, int],
+    mask: MaskPlan | None,
+    is_causal: bool,
+    qk_scale: float,
+    cfg: AttentionConfig,
+    dot_precision: str,
+) -> None:
+    """Run :func:`.attention.attention_kernel` on prepared operands into ``out``.
+
+    shape: ``(B, Hq, Hkv, Lq, Lkv, D)``; out: ``[B, Hq, Lq, Dv]``.
+    """
+    bsz, hq, hkv, lq, lkv, dim = shape
+    dv = out.shape[-1]
+    dummy = torch.ones(1, device=out.device, dtype=torch.float32)
+    exact = interpreted(out.device)
+    qs, q_group, qs_strides = _scale_args(ops.q_scale, ops.q_group, dummy)
+    ks, k_group, ks_strides = _scale_args(ops.k_scale, ops.k_group, dummy)
+    vs, v_mode, v_group, vs_strides = _v_scale_args(ops, dummy)
+    vsb, vsh, vs1, vs2 = ops.v.stride()
+    v_strides = (vsb, vsh, vs2, vs1) if ops.v_transposed else (vsb, vsh, vs1, vs2)
+    ds = ops.delta_s if ops.delta_s is not None else dummy
+    ds_strides = ops.delta_s.stride()[:3] if ops.delta_s is not None else (0, 0, 0)
+    vmean = ops.v_mean if ops.v_mean is not None else dummy
+    vm_strides = ops.v_mean.stride()[:2] if ops.v_mean is not None else (0, 0)
+    colsum = ops.v_colsum if ops.v_colsum is not None else dummy
+    cs_strides = ops.v_colsum.stride()[:3] if ops.v_colsum is not None else (0, 0, 0)
+    if mask is None:
+        mode, mvals, msum, mtiles, mcount = int(ak.MASK_NONE), dummy, dummy, dummy, dummy
+        m_strides = s_strides = t_strides = (0, 0, 0, 0)
+        c_strides = (0, 0, 0)
+    else:
+        mode = int(ak.MASK_BOOL) if mask.is_bool else int(ak.MASK_ADD)
+        mvals, msum, mtiles, mcount = mask.values, mask.summary, mask.tiles, mask.counts
+        m_strides, s_strides = mask.values.stride(), mask.summary.stride()
+        t_strides, c_strides = mask.tiles.stride(), mask.counts.stride()
+    c0, c1, c2, c3 = SAS_POLY
+    grid = (-(-lq // cfg.block_m), bsz * hq)
+    ak.attention_kernel[grid](
+        ops.q, ops.k, ops.v, out, qs, ks, vs, ds, vmean, mvals, msum, mtiles, mcount, colsum,
+        lq, lkv, hq, hq // hkv,
+        qk_scale, ops.sas_threshold * LOG2E, c0, c1, c2, c3,
+        *ops.q.stride(), *ops.k.stride(), *v_strides, *out.stride(),
+        *qs_strides, *ks_strides, *vs_strides, *ds_strides, *vm_strides, *cs_strides,
+        *m_strides, *s_strides, *t_strides, *c_strides,
+        V_SCALE=v_mode, MASK_MODE=mode, IS_CAUSAL=bool(is_causal),
+        HAS_DS=ops.delta_s is not None, SMOOTH_V=ops.v_mean is not None,
+        Q_GROUP=q_group, K_GROUP=k_group, V_GROUP=v_group, DS_GROUP=SMOOTH_Q_BLOCK,
+        CS_CHUNK=V_COLSUM_TOKENS,
+        EXACT_FP8=exact, DOT_PRECISION=dot_precision, HEAD_D=dim, HEAD_DV=dv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=qk_block_dim(dim, ops.switches["QK_FMT"] == int(ak.QK_INT4)),
+        BLOCK_DV=padded_dim(dv), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **{name: int(value) for name, value in ops.switches.items()},
+    )
+
+
+def _quantize_output(out: Tensor, static: Mapping | None) -> Tensor:
+    """fmha_int8 ``quantize_output``: O → INT8 with α_o/127 per (batch, head) → float.
+
+    out: float32 ``[B, Hq, Lq, Dv]``; α_o = amax(O) or the static ``"o"``. Same shape back.
+    """
+    lq = max(out.shape[2], 1)
+    oq = quantize_int(out, lq, 8, amax=None if static is None else static["o"])
+    return oq.data.to(torch.float32) * oq.scale[..., None]
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def supports(q_shape, k_shape, v_shape, dtype, device, preset, options) -> str | None:
+    """Why the kernels cannot serve these inputs (a sentence), or None when they can.
+
+    Shapes as in :func:`kernel_attention`; ``device`` a torch device (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``); ``options`` a dict, :class:`PresetOptions` or None.
+    """
+    if preset not in _PREPARE:
+        return f"preset {preset!r} has no kernel"
+    opts = resolve_options(preset, options)
+    static = preset == "fmha_int8" and opts.scales == "static"
+    if static and getattr(opts, "static_scales", None) is None:
+        return "fmha_int8 `scales: static` without calibrated static_scales in its options"
+    return _unsupported(q_shape, k_shape, v_shape, dtype, torch.device(device), preset)
+
+
+def _unsupported(q_shape, k_shape, v_shape, dtype, device: torch.device, preset: str) -> str | None:
+    """:func:`supports` without the options checks (shapes, dtype, device, arch)."""
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
+        return "q, k, v must be 4-D [B, H, L, D]"
+    d, dv = q_shape[-1], v_shape[-1]
+    if k_shape[-1] != d:
+        return f"query head dim {d} != key head dim {k_shape[-1]}"
+    if max(d, dv) > MAX_HEAD_DIM:
+        return f"head dim {max(d, dv)} > {MAX_HEAD_DIM}"
+    if q_shape[0] != k_shape[0] or tuple(k_shape[:3]) != tuple(v_shape[:3]):
+        return (f"batch/heads/length of q {tuple(q_shape)}, k {tuple(k_shape)}, "
+                f"v {tuple(v_shape)} disagree")
+    if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
+        return f"query heads {q_shape[1]} not a multiple of key/value heads {k_shape[1]}"
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} (kernels take float16, bfloat16, float32)"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):
+            return f"compute capability {major}.{minor} < 8.0"
+        if preset in _FP8_PRESETS and (major, minor) < (8, 9):
+            return f"preset {preset!r} needs FP8 tensor cores (sm_89+), got sm_{major}{minor}"
+    elif not _interpreter_on():
+        return f"device {device} (Triton kernels need CUDA, or TRITON_INTERPRET=1 on CPU)"
+    return None
+
+
+def _interpreter_on() -> bool:
+    """Whether the Triton interpreter is enabled (CPU tensors can run)."""
+    try:
+        return interpreted(torch.device("cpu"))
+    except RuntimeError:
+        return False
+
+
+@dataclass
+class PreparedAttention:
+    """One attention call with its operands already smoothed and quantized.
+
+    :meth:`run` launches only the attention kernel (benchmarks time it apart from the
+    quantizers); :func:`kernel_attention` is :func:`prepare_attention` + :meth:`run` + the
+    fmha_int8 output re-quantization.
+    """
+
+    ops: Operands
+    mask: MaskPlan | None
+    is_causal: bool
+    qk_scale: float
+    cfg: AttentionConfig
+    dot_precision: str
+    shape: tuple[int, int, int, int, int, int]  # (B, Hq, Hkv, Lq, Lkv, D)
+    out_shape: tuple[int, int, int, int]  # (B, Hq, Lq, Dv)
+    out_dtype: torch.dtype
+
+    def run(self) -> Tensor:
+        """Launch the attention kernel; returns a fresh ``[B, Hq, Lq, Dv]`` in ``out_dtype``."""
+        out = torch.empty(self.out_shape, device=self.ops.q.device, dtype=self.out_dtype)
+        _launch(self.ops, out, self.shape, self.mask, self.is_causal, self.qk_scale, self.cfg,
+                self.dot_precision)
+        return out
+
+
+def _resolve(
+    preset: str, options, static_scales, device: torch.device
+) -> tuple[PresetOptions, Mapping | None]:
+    """Validated options of ``preset`` and the static scales it uses: fmha_int8 with
+    ``scales: static`` reads the ``static_scales`` argument, else the options' own
+    ``static_scales`` (filled in per site from the calibration file)."""
+    if preset not in _PREPARE:
+        raise ValueError(f"qattn kernels cannot run preset {preset!r}: it has no kernel")
+    opts = resolve_options(preset, options)
+    if preset != "fmha_int8" or opts.scales != "static":
+        return opts, None
+    if static_scales is None and getattr(opts, "static_scales", None) is not None:
+        static_scales = opts.static_scales.tensors(device)
+    if static_scales is None:
+        raise ValueError("fmha_int8 with `scales: static` needs static_scales (calibrated α)")
+    return opts, static_scales
+
+
+def prepare_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    preset: str = "flash",
+    options: dict | PresetOptions | None = None,
+    *,
+    static_scales: Mapping[str, float | Tensor] | None = None,
+    config: AttentionConfig | None = None,
+) -> PreparedAttention:
+    """Validate, smooth/quantize the operands of ``preset`` and plan the launch (tiles from
+    :mod:`.heuristics` unless ``config`` is given, mask summary from :mod:`.mask`).
+    Arguments as :func:`kernel_attention`; ``Lq`` and ``Lkv`` must be positive."""
+    opts, static = _resolve(preset, options, static_scales, q.device)
+    reason = _unsupported(q.shape, k.shape, v.shape, q.dtype, q.device, preset)
+    if reason is not None:
+        raise ValueError(f"qattn kernels cannot run preset {preset!r}: {reason}")
+    bsz, hq, lq, dim = q.shape
+    hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    tau = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    qk_mul = tau * LOG2E
+    ops = _PREPARE[preset](q, k, v, opts, qk_mul, static)
+    per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
+    cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, per_block_v=per_block_v,
+                           smooth_q=ops.delta_s is not None, override=config)
+    mask = plan_mask(attn_mask, (bsz, hq, lq, lkv), cfg.block_m, cfg.block_n, bool(is_causal))
+    quantize_out = preset == "fmha_int8" and opts.quantize_output
+    logger.debug("qattn kernel %s on %s: cfg=%s", preset, arch_of(q.device), cfg)
+    return PreparedAttention(
+        ops=ops, mask=mask, is_causal=bool(is_causal), qk_scale=qk_mul, cfg=cfg,
+        dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
+        shape=(bsz, hq, hkv, lq, lkv, dim), out_shape=(bsz, hq, lq, dv),
+        out_dtype=torch.float32 if quantize_out else q.dtype,
+    )
+
+
+def kernel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    preset: str = "flash",
+    options: dict | PresetOptions | None = None,
+    *,
+    static_scales: Mapping[str, float | Tensor] | None = None,
+) -> Tensor:
+    """Quantized flash attention of ``preset`` with the Triton kernels.
+
+    q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lkv, D]``, v ``[B, Hkv, Lkv, Dv]`` (fp16/bf16/fp32,
+    any strides), ``Hq % Hkv == 0``; attn_mask None / bool (True = attend) / additive float,
+    broadcastable to ``[B, Hq, Lq, Lkv]``; ``is_causal`` top-left; ``scale`` default
+    ``1/sqrt(D)``. Returns ``[B, Hq, Lq, Dv]`` in q's dtype; fully masked rows are 0.
+    ``static_scales``: fmha_int8's calibrated α ``{"q", "k", "v"[, "o"]}`` for
+    ``scales: static`` (as :func:`qattn_compile.reference.reference_attention`).
+    """
+    opts, static = _resolve(preset, options, static_scales, q.device)
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return q.new_zeros((*q.shape[:3], v.shape[-1]))
+    call = prepare_attention(q, k, v, attn_mask, is_causal, scale, preset, opts,
+                             static_scales=static)
+    out = call.run()
+    if preset == "fmha_int8" and opts.quantize_output:
+        out = _quantize_output(out, static)
+    return out.to(q.dtype)

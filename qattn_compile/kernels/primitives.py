@@ -1,0 +1,135 @@
+"""Small Triton helpers shared by the quantizer and attention kernels.
+
+Everything here is exact in IEEE float32 arithmetic and behaves the same on the GPU and under
+the Triton interpreter (``TRITON_INTERPRET=1``), except :func:`to_fp8_e4m3`'s hardware path
+(see its docstring).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# 1.5 * 2**23: adding it to |x| < 2**22 leaves round-half-to-even(x) in the low mantissa bits.
+_RINT_MAGIC = tl.constexpr(12582912.0)
+_RINT_MAGIC_BITS = tl.constexpr(0x4B400000)
+FP8_E4M3_MAX = tl.constexpr(448.0)
+
+
+def interpreted(device: torch.device) -> bool:
+    """True when kernels on ``device`` run in the Triton interpreter (CPU tensors).
+
+    Raises if CPU tensors reach a launcher without ``TRITON_INTERPRET=1`` (Triton cannot
+    compile for the CPU).
+    """
+    if device.type == "cuda":
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"qattn Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 "
+            "before importing triton to run them in the interpreter"
+        )
+    return True
+
+
+@triton.jit
+def rint_to_int32(x):
+    """Round float32 ``x`` (|x| < 2**22) half-to-even to int32, with no float→int instruction.
+
+    Matches :func:`torch.round` bit for bit (adds 1.5·2**23 and reads the mantissa bits).
+    """
+    biased = tl.cast(x + _RINT_MAGIC, tl.int32, bitcast=True)
+    return biased - _RINT_MAGIC_BITS
+
+
+@triton.jit
+def round_to_e4m3_grid(x):
+    """Round float32 ``x`` half-to-even onto the e4m3 grid, saturating at ±448 (stays fp32).
+
+    e4m3 has 3 mantissa bits and a smallest normal exponent of -6 (subnormal step 2**-9):
+    the grid step of ``|x|`` is ``2**(max(e, -6) - 3)`` with ``e`` the float32 exponent read
+    from the bits, and adding/subtracting ``1.5·2**23·step`` rounds to that step exactly.
+    """
+    a = tl.abs(x)
+    e = (tl.cast(a, tl.int32, bitcast=True) >> 23) - 127
+    step = tl.cast((tl.maximum(e, -6) - 3 + 127) << 23, tl.float32, bitcast=True)
+    magic = step * _RINT_MAGIC
+    r = tl.minimum((a + magic) - magic, FP8_E4M3_MAX)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def to_fp8_e4m3(x, EXACT: tl.constexpr):
+    """float32 ``x`` (already within ±448) → ``tl.float8e4nv`` with round-to-nearest-even.
+
+    ``EXACT=False``: the hardware conversion (``cvt.rn.satfinite``). ``EXACT=True``: round on
+    the e4m3 grid first (:func:`round_to_e4m3_grid`), so the conversion itself is exact; the
+    interpreter's float32→fp8 conversion mis-rounds values that cross a power of two, so
+    launchers set ``EXACT`` under the interpreter.
+    """
+    if EXACT:
+        x = round_to_e4m3_grid(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _tile_mask(rows, cols, n_rows, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Bounds mask of an ``[R, C]`` tile (``[R, 1]`` / ``[1, C]`` / ``[R, C]``), or None."""
+    if MASK_ROWS and MASK_COLS:
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    elif MASK_ROWS:
+        mask = rows[:, None] < n_rows
+    elif MASK_COLS:
+        mask = cols[None, :] < n_cols
+    else:
+        mask = None
+    return mask
+
+
+@triton.jit
+def load_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols, other,
+              MASK_ROWS: tl.constexpr = True, MASK_COLS: tl.constexpr = True):
+    """Load ``ptr[rows[:, None] * stride_r + cols[None, :] * stride_c]``; out of range → other.
+
+    rows: ``[R]`` int, cols: ``[C]`` int; returns an ``[R, C]`` tile in the pointer's dtype.
+    ``MASK_ROWS``/``MASK_COLS=False`` drop the bounds check of an axis known to be in range
+    (fewer registers and predicates in the inner loop).
+    """
+    mask = _tile_mask(rows, cols, n_rows, n_cols, MASK_ROWS, MASK_COLS)
+    ptrs = ptr + rows[:, None] * stride_r + cols[None, :] * stride_c
+    if MASK_ROWS or MASK_COLS:
+        tile = tl.load(ptrs, mask=mask, other=other)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def store_tile(ptr, value, rows, cols, stride_r, stride_c, n_rows, n_cols,
+               MASK_ROWS: tl.constexpr = True, MASK_COLS: tl.constexpr = True):
+    """Store an ``[R, C]`` tile at ``ptr[rows[:, None] * stride_r + cols[None, :] * stride_c]``
+    (elements outside ``n_rows`` × ``n_cols`` are skipped); casts to the pointer's dtype."""
+    mask = _tile_mask(rows, cols, n_rows, n_cols, MASK_ROWS, MASK_COLS)
+    ptrs = ptr + rows[:, None] * stride_r + cols[None, :] * stride_c
+    if MASK_ROWS or MASK_COLS:
+        tl.store(ptrs, value, mask=mask)
+    else:
+        tl.store(ptrs, value)
+
+
+@triton.jit
+def split_int4(packed):
+    """int8 bytes of two packed INT4 values → ``(low, high)`` int8 tensors of the same shape
+    (the even and the odd channel of each byte), sign-extended by arithmetic shifts."""
+    return (packed << 4) >> 4, packed >> 4
+
+
+@triton.jit
+def pack_int4(values, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``[ROWS, COLS]`` int8 values in [-8, 7] → ``[ROWS, COLS // 2]`` int8 bytes, element
+    ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in its high nibble."""
+    even, odd = tl.split(tl.reshape(values, (ROWS, COLS // 2, 2)))
+    return (even & 0xF) | (odd << 4)

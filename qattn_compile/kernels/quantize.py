@@ -1,0 +1,516 @@
+"""Triton quantizer and smoothing kernels, and their launchers.
+
+The arithmetic is :mod:`qattn_compile.reference.quant`'s, bit for bit on the INT paths:
+float32 everywhere, ``amax`` clamped below to ``AMAX_MIN``, ``scale = amax / qmax`` (IEEE
+float32 division), ``q = clamp(round_half_even(x / scale), -qmax, qmax)`` with a correctly
+rounded division (``tl.div_rn``); FP8 e4m3 ``q = fp8_rne(clamp(x / scale, -448, 448))``.
+
+Layouts (every tensor is ``[B, H, L, D]`` on input, any strides):
+
+- INT8 values: int8 ``[B, H, L, D]`` row-major (D contiguous: K-major for ``Q·Kᵀ``).
+- INT4 values: uint8 ``[B, H, L, ceil(D / 2)]``, two per byte, low nibble = even channel.
+- 8-bit V for the ``P·V`` dot: ``[B, H, D, L_pad]`` (transposed, token axis contiguous, the
+  K-major layout Hopper's 8-bit MMAs need), ``L_pad`` = L rounded up to 16 tokens.
+- Scales: float32 ``[B, H, n_groups]`` per token group, ``[B, H, D]`` per channel.
+
+Kernels:
+
+- :func:`_token_stats_kernel`: partial channel sums / maxima / minima per chunk of a token
+  group, combined by :func:`token_stats` into means and absmax — K/V smoothing means, Q
+  block means, large-group and per-channel amax.
+- :func:`_quantize_kernel`: quantize a ``BLOCK_T``-token tile; scales either computed in the
+  tile (groups that fit in it) or read (large groups, per channel, static amax); optional
+  mean subtraction (smoothing), INT4 packing, transposed output.
+- :func:`_delta_s_kernel`: SageAttention2's ``ΔS = q̄·(K − k̄)ᵀ`` per query block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..reference.quant import AMAX_MIN, FP8_E4M3_MAX
+from ..reference.quant import INT_QMAX as REF_INT_QMAX
+from .heuristics import padded_dim, quant_config
+from .primitives import (
+    interpreted,
+    load_tile,
+    pack_int4,
+    rint_to_int32,
+    store_tile,
+    to_fp8_e4m3,
+)
+
+# The quantizer contract's constants come from the reference (one source of truth).
+INT_QMAX = {bits: float(qmax) for bits, qmax in REF_INT_QMAX.items()}
+FP8_MAX = float(FP8_E4M3_MAX)
+
+# _quantize_kernel's scale sources.
+_SCALE_IN_TILE = tl.constexpr(0)  # token groups that fit in one tile: amax computed in-kernel
+_SCALE_PER_GROUP = tl.constexpr(1)  # precomputed scale per token group
+_SCALE_PER_CHANNEL = tl.constexpr(2)  # precomputed scale per channel
+
+# _quantize_kernel's output formats.
+_OUT_INT = tl.constexpr(0)
+_OUT_INT4_PACKED = tl.constexpr(1)
+_OUT_FP8 = tl.constexpr(2)
+
+_TOKEN_ALIGN = 16  # L_pad of transposed 8-bit V (16-byte rows for TMA later)
+_MAX_TILE_GROUP = 128  # largest token group a quantizer tile reduces by itself
+_STATS_CHUNK = 256  # tokens per program of the statistics kernel
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A quantized operand as the attention kernel reads it.
+
+    ``data``: int8 ``[B, H, L, D]``, uint8 packed ``[B, H, L, ceil(D/2)]`` or 8-bit
+    transposed ``[B, H, D, L_pad]`` (see the module docstring). ``scale``: float32 ``[B, H,
+    n_groups]`` (``group`` tokens per scale) or ``[B, H, D]`` (``per_channel``), already
+    multiplied by the launcher's ``scale_mul``. ``mean``: the subtracted smoothing mean
+    ``[B, H, n_mean_groups, D]`` (float32) or ``None``. ``colsum``: int32 ``[B, H, n_chunks,
+    D]`` channel sums of the quantized values per chunk of tokens, or ``None``.
+    """
+
+    data: Tensor
+    scale: Tensor
+    group: int
+    per_channel: bool = False
+    transposed: bool = False
+    packed: bool = False
+    mean: Tensor | None = None
+    colsum: Tensor | None = None
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _token_stats_kernel(
+    x_ptr, sum_ptr, max_ptr, min_ptr,
+    L, D, group, chunks_per_group, n_chunks,
+    sxb, sxh, sxl, sxd,
+    n_heads,
+    CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Partial channel statistics of one chunk of ≤ ``CHUNK`` tokens (grid ``(n_chunks,
+    B*H)``); chunk ``c`` covers tokens ``[g·group + (c mod cpg)·CHUNK, …)`` of token group
+    ``g = c // cpg`` (``cpg`` = chunks per group), never crossing a group boundary.
+
+    x: ``[B, H, L, D]``. Writes float32 ``[B*H, n_chunks, D]`` column sums, maxima and
+    minima; :func:`token_stats` combines the chunks of each group (a deterministic
+    two-level reduction that keeps every SM busy even for one group per head).
+    """
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    x_base = x_ptr + b * sxb + h * sxh
+    cols = tl.arange(0, BLOCK_D)
+    g = c // chunks_per_group
+    start = g * group + (c % chunks_per_group) * CHUNK
+    end = tl.minimum(tl.minimum(start + CHUNK, g * group + group), L)
+    col_sum = tl.zeros((BLOCK_D,), tl.float32)
+    col_max = tl.full((BLOCK_D,), float("-inf"), tl.float32)
+    col_min = tl.full((BLOCK_D,), float("inf"), tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        valid = (rows[:, None] < end) & (cols[None, :] < D)
+        x = tl.load(x_base + rows[:, None] * sxl + cols[None, :] * sxd, mask=valid, other=0.0)
+        x = x.to(tl.float32)
+        col_sum += tl.sum(x, axis=0)
+        col_max = tl.maximum(col_max, tl.max(tl.where(valid, x, float("-inf")), axis=0))
+        col_min = tl.minimum(col_min, tl.min(tl.where(valid, x, float("inf")), axis=0))
+    out = (bh * n_chunks + c) * D + cols
+    tl.store(sum_ptr + out, col_sum, mask=cols < D)
+    tl.store(max_ptr + out, col_max, mask=cols < D)
+    tl.store(min_ptr + out, col_min, mask=cols < D)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, mean_ptr, scale_in_ptr, q_ptr, scale_out_ptr, colsum_ptr,
+    L, D, n_heads, mean_group, scale_group, scale_mul,
+    sxb, sxh, sxl, sxd,
+    smb, smh, smg,
+    ssb, ssh, ssg,
+    sqb, sqh, sql, sqd,
+    n_groups_out, n_colsum,
+    QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+    SCALE_MODE: tl.constexpr, GROUP: tl.constexpr, SUB_MEAN: tl.constexpr,
+    OUT_FMT: tl.constexpr, EXACT_FP8: tl.constexpr, COLSUM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Quantize tokens ``[t0, t0 + BLOCK_T)`` of one (batch, head) (grid ``(cdiv(L, BLOCK_T),
+    B*H)``).
+
+    x: ``[B, H, L, D]``; mean (``SUB_MEAN``): ``[B, H, n, D]`` float32, token ``t`` subtracts
+    row ``t // mean_group`` (strides ``smb, smh, smg``; channel stride 1).
+    Scales (``SCALE_MODE``): in-tile groups of ``GROUP`` tokens (power of two dividing
+    ``BLOCK_T``), written ``* scale_mul`` to ``scale_out`` ``[B*H, n_groups_out]``; or read
+    from ``scale_in`` per group (token ``t`` → ``t // scale_group``, strides ``ssb, ssh,
+    ssg``) or per channel (channel ``d`` at ``ssg * d``).
+    Output (``OUT_FMT``): INT (int8), INT4 packed (int8 bytes, ``sqd`` = 1 byte per pair of
+    channels) or FP8 e4m3, at strides ``sqb, sqh, sql, sqd`` (transposed layouts are strides).
+    ``COLSUM`` > 0 (INT only): also the int32 channel sums of the quantized values per chunk
+    of ``COLSUM`` tokens, ``colsum[bh, chunk, d]`` (``[B*H, n_colsum, D]`` contiguous).
+    """
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    valid = (rows[:, None] < L) & (cols[None, :] < D)
+    x = load_tile(x_ptr + b * sxb + h * sxh, rows, cols, sxl, sxd, L, D, 0.0).to(tl.float32)
+    if SUB_MEAN:
+        mean = load_tile(mean_ptr + b * smb + h * smh, rows // mean_group, cols, smg, 1,
+                         tl.cdiv(L, mean_group), D, 0.0)
+        x = tl.where(valid, x - mean, 0.0)
+    if SCALE_MODE == _SCALE_IN_TILE:
+        groups: tl.constexpr = BLOCK_T // GROUP
+        row_amax = tl.max(tl.abs(x), axis=1)
+        amax = tl.max(tl.reshape(row_amax, (groups, GROUP)), axis=1)
+        amax = tl.maximum(amax, AMAX_FLOOR)
+        scale_g = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+        g_idx = pid_t * groups + tl.arange(0, groups)
+        tl.store(scale_out_ptr + bh * n_groups_out + g_idx, scale_g * scale_mul,
+                 mask=g_idx < n_groups_out)
+        scale = tl.reshape(tl.broadcast_to(scale_g[:, None], (groups, GROUP)), (BLOCK_T,))
+        scale = scale[:, None]
+    elif SCALE_MODE == _SCALE_PER_GROUP:
+        s_base = scale_in_ptr + b * ssb + h * ssh
+        scale = tl.load(s_base + (rows // scale_group) * ssg, mask=rows < L, other=1.0)
+        scale = scale[:, None]
+    else:
+        s_base = scale_in_ptr + b * ssb + h * ssh
+        scale = tl.load(s_base + cols * ssg, mask=cols < D, other=1.0)
+        scale = scale[None, :]
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
+    q_base = q_ptr + b * sqb + h * sqh
+    if OUT_FMT == _OUT_FP8:
+        store_tile(q_base, to_fp8_e4m3(y, EXACT_FP8), rows, cols, sql, sqd, L, D)
+    elif OUT_FMT == _OUT_INT4_PACKED:
+        packed = pack_int4(rint_to_int32(y).to(tl.int8), BLOCK_T, BLOCK_D)
+        half_cols = tl.arange(0, BLOCK_D // 2)
+        store_tile(q_base, packed, rows, half_cols, sql, sqd, L, (D + 1) // 2)
+    else:
+        q_int = rint_to_int32(y)
+        store_tile(q_base, q_int.to(tl.int8), rows, cols, sql, sqd, L, D)
+        if COLSUM > 0:
+            chunks: tl.constexpr = BLOCK_T // COLSUM
+            sums = tl.sum(tl.reshape(q_int, (chunks, COLSUM, BLOCK_D)), axis=1)
+            c_idx = pid_t * chunks + tl.arange(0, chunks)
+            store_tile(colsum_ptr + bh * n_colsum * D, sums, c_idx, cols, D, 1, n_colsum, D)
+
+
+@triton.jit
+def _delta_s_kernel(
+    qmean_ptr, k_ptr, kmean_ptr, out_ptr,
+    Lkv, D, n_blocks, hq_per_kv, n_heads_q, scale_mul,
+    skb, skh, skl, skd,
+    SUB_K_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """SageAttention2's ΔS: ``ΔS[b, hq, blk, n] = scale_mul · Σ_d q̄[b, hq, blk, d] ·
+    (k[b, hkv, n, d] − k̄[b, hkv, d])`` with ``hkv = hq // hq_per_kv``.
+
+    qmean: float32 ``[B, Hq, n_blocks, D]`` contiguous; k: ``[B, Hkv, Lkv, D]`` (strides);
+    kmean: float32 ``[B, Hkv, 1, D]`` contiguous (``SUB_K_MEAN``); out: float32 ``[B, Hq,
+    n_blocks, Lkv]`` contiguous. Grid ``(cdiv(Lkv, BLOCK_T), B*Hq)``; float32 multiply-adds
+    (no tensor-core rounding).
+    """
+    pid_t = tl.program_id(0)
+    bhq = tl.program_id(1)
+    b = bhq // n_heads_q
+    hq = bhq % n_heads_q
+    hkv = hq // hq_per_kv
+    n_heads_kv = n_heads_q // hq_per_kv
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    k = load_tile(k_ptr + b * skb + hkv * skh, rows, cols, skl, skd, Lkv, D, 0.0).to(tl.float32)
+    if SUB_K_MEAN:
+        kmean = tl.load(kmean_ptr + (b * n_heads_kv + hkv) * D + cols, mask=cols < D, other=0.0)
+        k = k - kmean[None, :]
+    for blk in range(0, n_blocks):
+        qm = tl.load(qmean_ptr + (bhq * n_blocks + blk) * D + cols, mask=cols < D, other=0.0)
+        ds = tl.sum(k * qm[None, :], axis=1) * scale_mul
+        tl.store(out_ptr + (bhq * n_blocks + blk) * Lkv + rows, ds, mask=rows < Lkv)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _num_groups(length: int, group: int) -> int:
+    """Token groups of ``group`` covering ``length`` tokens (at least 1)."""
+    return max(triton.cdiv(length, group), 1)
+
+
+def true_div(x: Tensor, divisor: float) -> Tensor:
+    """``x / divisor`` with IEEE float32 division on every device (``tensor / python
+    scalar`` on CUDA multiplies by the rounded reciprocal, which differs in the last bit)."""
+    return torch.div(x, torch.full_like(x, divisor))
+
+
+def token_stats(
+    x: Tensor, group: int, *, center: bool, per_channel: bool
+) -> tuple[Tensor, Tensor]:
+    """Channel means and absmax per token group.
+
+    x: ``[B, H, L, D]``; ``group``: tokens per group (``L`` = whole tensor). Returns
+    ``(mean, amax)``: mean float32 ``[B, H, n_groups, D]``; amax float32 ``[B, H, n_groups,
+    D]`` (``per_channel``) or ``[B, H, n_groups]``, of ``x - mean`` when ``center``, clamped
+    below to ``AMAX_MIN``. ``max|x − c| = max(colmax − c, c − colmin)`` is exact in float32
+    (rounding is monotonic), so the absmax needs no second pass.
+    """
+    bsz, heads, length, dim = x.shape
+    n_groups = _num_groups(length, group)
+    cfg = quant_config(dim, x.device)
+    chunk = min(_STATS_CHUNK, triton.next_power_of_2(max(group, 1)))
+    chunks_per_group = triton.cdiv(max(group, 1), chunk)
+    n_chunks = n_groups * chunks_per_group
+    partial = torch.empty((3, bsz, heads, n_chunks, dim), device=x.device, dtype=torch.float32)
+    interpreted(x.device)
+    _token_stats_kernel[(n_chunks, bsz * heads)](
+        x, partial[0], partial[1], partial[2], length, dim, group, chunks_per_group, n_chunks,
+        *x.stride(), heads, CHUNK=chunk, BLOCK_T=min(cfg.block_t, chunk),
+        BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
+    )
+    sums, maxs, mins = partial.view(3, bsz, heads, n_groups, chunks_per_group, dim).unbind(0)
+    # Tokens per group (the last may be partial), built on the device: a host→device copy
+    # here would synchronize with the GPU on every call.
+    starts = torch.arange(n_groups, device=x.device, dtype=torch.float32) * group
+    counts = (float(length) - starts).clamp(max=float(group))
+    mean = sums.sum(dim=3) / counts[:, None]
+    col_max, col_min = maxs.amax(dim=3), mins.amin(dim=3)
+    if center:
+        col_amax = torch.maximum(col_max - mean, mean - col_min)
+    else:
+        col_amax = torch.maximum(col_max, -col_min)
+    amax = col_amax if per_channel else col_amax.amax(dim=-1)
+    return mean, amax.clamp_min(AMAX_MIN)
+
+
+def _launch_quantize(
+    x: Tensor,
+    out: Tensor,
+    out_strides: tuple[int, int, int, int],
+    *,
+    qmax: float,
+    out_fmt: int,
+    group: int,
+    scale_in: Tensor | None,
+    per_channel: bool,
+    mean: Tensor | None,
+    mean_group: int,
+    scale_mul: float,
+    colsum: Tensor | None = None,
+    colsum_chunk: int = 0,
+) -> Tensor:
+    """Run :func:`_quantize_kernel` over ``x`` ``[B, H, L, D]`` into ``out`` (given strides).
+
+    ``scale_in`` ``None``: scales computed per in-tile group of ``group`` tokens and returned
+    (float32 ``[B, H, n_groups]``, times ``scale_mul``); otherwise ``scale_in`` (float32
+    ``[B, H, n_groups]`` or ``[B, H, D]`` with ``per_channel``) is used and ``None`` returned.
+    ``colsum``: int32 ``[B, H, n_chunks, D]`` filled with per-``colsum_chunk`` channel sums.
+    """
+    bsz, heads, length, dim = x.shape
+    in_tile = scale_in is None
+    cfg = quant_config(dim, x.device, max(group if in_tile else 1, colsum_chunk))
+    block_t = cfg.block_t
+    n_groups = _num_groups(length, group)
+    scale_out = torch.empty((bsz, heads, n_groups), device=x.device, dtype=torch.float32)
+    if in_tile:
+        mode, sin, sin_strides = int(_SCALE_IN_TILE), scale_out, (0, 0, 0)
+    elif per_channel:
+        mode, sin, sin_strides = int(_SCALE_PER_CHANNEL), scale_in, scale_in.stride()
+    else:
+        mode, sin, sin_strides = int(_SCALE_PER_GROUP), scale_in, scale_in.stride()
+    mean_t = mean if mean is not None else scale_out
+    mean_strides = mean.stride()[:3] if mean is not None else (0, 0, 0)
+    exact = interpreted(x.device)
+    _quantize_kernel[(triton.cdiv(length, block_t), bsz * heads)](
+        x, mean_t, sin, out, scale_out, colsum if colsum is not None else scale_out,
+        length, dim, heads, mean_group, group, scale_mul,
+        *x.stride(), *mean_strides, *sin_strides, *out_strides, n_groups,
+        colsum.shape[2] if colsum is not None else 0,
+        QMAX=qmax, AMAX_FLOOR=AMAX_MIN, SCALE_MODE=mode, GROUP=group if in_tile else 1,
+        SUB_MEAN=mean is not None, OUT_FMT=out_fmt, EXACT_FP8=exact,
+        COLSUM=colsum_chunk if colsum is not None else 0,
+        BLOCK_T=block_t, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
+    )
+    return scale_out if in_tile else None
+
+
+def _fits_in_tile(group: int) -> bool:
+    """Whether token groups of ``group`` tokens are reduced inside one quantizer tile (a
+    power of two of at most :data:`_MAX_TILE_GROUP` tokens)."""
+    return group <= _MAX_TILE_GROUP and group & (group - 1) == 0
+
+
+def _group_scale(
+    x: Tensor, group: int, qmax: float, mean: Tensor | None, amax: Tensor | float | None
+) -> Tensor:
+    """Per-group quantization scale ``amax / qmax`` (float32 ``[B, H, n_groups]``) for groups
+    too large for one tile, or from a given (static, calibrated) ``amax``."""
+    bsz, heads, length, _ = x.shape
+    n_groups = _num_groups(length, group)
+    if amax is None:
+        if mean is not None:
+            raise NotImplementedError("large-group quantization of a smoothed tensor")
+        _, amax_t = token_stats(x, group, center=False, per_channel=False)
+    else:
+        amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+        amax_t = amax_t.clamp_min(AMAX_MIN).broadcast_to((bsz, heads, n_groups)).contiguous()
+    return true_div(amax_t, qmax)
+
+
+def quantize_int(
+    x: Tensor,
+    group: int,
+    num_bits: int = 8,
+    *,
+    scale_mul: float = 1.0,
+    mean: Tensor | None = None,
+    mean_group: int | None = None,
+    amax: Tensor | float | None = None,
+    transpose: bool = False,
+    colsum_chunk: int = 0,
+) -> Quantized:
+    """Symmetric INT8/INT4 quantization over token groups (reference ``quantize_int``).
+
+    x: ``[B, H, L, D]`` (fp16/bf16/fp32). ``group``: tokens per scale (``L`` for per tensor).
+    ``num_bits=4`` packs two values per byte (uint8 ``[B, H, L, ceil(D/2)]``).
+    ``scale_mul`` multiplies the stored scales (e.g. softmax scale · log2(e) folded into Q's
+    scale); it does not change the quantized values. ``mean`` (float32 ``[B, H, n, D]``):
+    subtracted first, token ``t`` using row ``t // mean_group`` (smoothing); ``amax``: a
+    static amax (float or broadcastable to ``[B, H, n_groups]``). ``transpose``: write int8
+    ``[B, H, D, L_pad]`` (the layout of V for the ``P·V`` dot). ``colsum_chunk`` > 0 (8 bits):
+    also return the int32 channel sums of the quantized values per chunk of that many
+    tokens, ``[B, H, ceil(L / chunk), D]`` (fmha_int8's UINT8-P correction).
+    """
+    qmax = INT_QMAX[num_bits]
+    bsz, heads, length, dim = x.shape
+    if num_bits == 4:
+        if transpose:
+            raise ValueError("INT4 values are only stored row-major (Q and K)")
+        data = torch.empty((bsz, heads, length, (dim + 1) // 2), device=x.device, dtype=torch.uint8)
+        view, out_fmt = data.view(torch.int8), int(_OUT_INT4_PACKED)
+    else:
+        data = view = _alloc_8bit(x, torch.int8, transpose)
+        out_fmt = int(_OUT_INT)
+    strides = _value_strides(view, transpose)
+    in_tile = amax is None and _fits_in_tile(group)
+    scale_in = None if in_tile else _group_scale(x, group, qmax, mean, amax)
+    mean_group = mean_group or max(length, 1)
+    colsum = None
+    if colsum_chunk:
+        n_chunks = triton.cdiv(max(length, 1), colsum_chunk)
+        colsum = torch.empty((bsz, heads, n_chunks, dim), device=x.device, dtype=torch.int32)
+    scale = _launch_quantize(
+        x, view, strides, qmax=qmax, out_fmt=out_fmt, group=group, scale_in=scale_in,
+        per_channel=False, mean=mean, mean_group=mean_group, scale_mul=scale_mul,
+        colsum=colsum, colsum_chunk=colsum_chunk,
+    )
+    if scale is None:
+        scale = scale_in * scale_mul
+    return Quantized(data, scale, group, transposed=transpose, packed=num_bits == 4, mean=mean,
+                     colsum=colsum)
+
+
+def quantize_fp8(
+    x: Tensor,
+    group: int,
+    *,
+    scale_mul: float = 1.0,
+    transpose: bool = False,
+) -> Quantized:
+    """FP8 e4m3 quantization over token groups (reference ``quantize_fp8``), scale amax/448.
+
+    x: ``[B, H, L, D]``. Returns float8_e4m3fn ``[B, H, L, D]`` or, with ``transpose``,
+    ``[B, H, D, L_pad]``; scales float32 ``[B, H, n_groups]`` times ``scale_mul``.
+    """
+    data = _alloc_8bit(x, torch.float8_e4m3fn, transpose)
+    in_tile = _fits_in_tile(group)
+    scale_in = None if in_tile else _group_scale(x, group, FP8_MAX, None, None)
+    scale = _launch_quantize(
+        x, data, _value_strides(data, transpose), qmax=FP8_MAX, out_fmt=int(_OUT_FP8),
+        group=group, scale_in=scale_in, per_channel=False, mean=None, mean_group=1,
+        scale_mul=scale_mul,
+    )
+    if scale is None:
+        scale = scale_in * scale_mul
+    return Quantized(data, scale, group, transposed=transpose)
+
+
+def quantize_fp8_per_channel(
+    x: Tensor, *, smooth: bool = False, transpose: bool = True
+) -> Quantized:
+    """FP8 e4m3 with one scale per channel (SageAttention2's V; reference
+    ``quantize_fp8_per_channel``), optionally smoothed first (``V − v̄``, v̄ over all tokens).
+
+    x: ``[B, H, L, D]``. Returns float8_e4m3fn ``[B, H, D, L_pad]`` (``transpose``) or
+    ``[B, H, L, D]``, scale float32 ``[B, H, D]`` = amax over tokens / 448, and the mean
+    ``[B, H, 1, D]`` when ``smooth``.
+    """
+    length = x.shape[-2]
+    mean, amax = token_stats(x, max(length, 1), center=smooth, per_channel=True)
+    scale = true_div(amax[:, :, 0, :], FP8_MAX)
+    data = _alloc_8bit(x, torch.float8_e4m3fn, transpose)
+    _launch_quantize(
+        x, data, _value_strides(data, transpose), qmax=FP8_MAX, out_fmt=int(_OUT_FP8),
+        group=1, scale_in=scale, per_channel=True, mean=mean if smooth else None,
+        mean_group=max(length, 1), scale_mul=1.0,
+    )
+    return Quantized(data, scale, 1, per_channel=True, transposed=transpose,
+                     mean=mean if smooth else None)
+
+
+def smooth_mean(x: Tensor, group: int | None = None) -> Tensor:
+    """Channel mean per group of ``group`` tokens (default: all tokens), float32
+    ``[B, H, n_groups, D]`` (K/V smoothing: ``group=None``; Q smoothing: ``SMOOTH_Q_BLOCK``)."""
+    mean, _ = token_stats(x, group or max(x.shape[-2], 1), center=True, per_channel=False)
+    return mean
+
+
+def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float) -> Tensor:
+    """SageAttention2's Q-smoothing correction ``ΔS = q̄·(K − k̄)ᵀ · scale_mul``.
+
+    q_mean: float32 ``[B, Hq, n_blocks, D]``; k: ``[B, Hkv, Lkv, D]``; k_mean: float32
+    ``[B, Hkv, 1, D]`` or None. Returns float32 ``[B, Hq, n_blocks, Lkv]`` (query token ``t``
+    adds row ``t // SMOOTH_Q_BLOCK``).
+    """
+    bsz, hq, n_blocks, dim = q_mean.shape
+    hkv, lkv = k.shape[1], k.shape[2]
+    cfg = quant_config(dim, k.device)
+    out = torch.empty((bsz, hq, n_blocks, lkv), device=k.device, dtype=torch.float32)
+    interpreted(k.device)
+    kmean = k_mean.contiguous() if k_mean is not None else q_mean
+    _delta_s_kernel[(triton.cdiv(max(lkv, 1), cfg.block_t), bsz * hq)](
+        q_mean.contiguous(), k, kmean, out, lkv, dim, n_blocks, hq // hkv, hq, scale_mul,
+        *k.stride(), SUB_K_MEAN=k_mean is not None, BLOCK_T=cfg.block_t,
+        BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def _alloc_8bit(x: Tensor, dtype: torch.dtype, transpose: bool) -> Tensor:
+    """Output buffer (``dtype``: int8 or float8_e4m3fn) for 8-bit values of ``x`` ``[B, H,
+    L, D]``: ``[B, H, L, D]`` or, with ``transpose``, ``[B, H, D, L_pad]``."""
+    bsz, heads, length, dim = x.shape
+    if transpose:
+        padded = triton.cdiv(max(length, 1), _TOKEN_ALIGN) * _TOKEN_ALIGN
+        data = torch.empty((bsz, heads, dim, padded), device=x.device, dtype=dtype)
+    else:
+        data = torch.empty((bsz, heads, length, dim), device=x.device, dtype=dtype)
+    return data
+
+
+def _value_strides(view: Tensor, transpose: bool) -> tuple[int, int, int, int]:
+    """Strides ``(batch, head, token, channel)`` of an output buffer (swapped when the
+    buffer is stored transposed ``[B, H, D, L_pad]``)."""
+    sb, sh, s2, s3 = view.stride()
+    return (sb, sh, s3, s2) if transpose else (sb, sh, s2, s3)

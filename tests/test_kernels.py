@@ -1,0 +1,387 @@
+"""CPU tests of the Triton kernels under the Triton interpreter (``TRITON_INTERPRET=1``).
+
+The interpreter is switched on here, before anything imports triton, whenever no CUDA GPU is
+present (on a GPU machine this module is skipped: ``tests/test_kernels_gpu.py`` covers it).
+Shapes are tiny (the interpreter runs numpy per tile op). Under the interpreter:
+
+- int8 dots are exact: the integer score path is compared bit for bit with the reference;
+- bf16 dots and fp32→bf16 conversion are wrong, so inputs here are fp16/fp32 (bf16 is
+  tested on the GPU);
+- in-kernel fp32→fp8 conversion mis-rounds, which the kernels avoid by rounding on the e4m3
+  grid first (``EXACT_FP8``), so FP8 paths are checked with the same criterion here and with
+  the hardware conversion on the GPU.
+
+Accuracy criterion (DESIGN §7): ``err(kernel, exact) <= 1.05·err(reference, exact) + EPS``
+with rel-L1 against fp64 exact attention.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from qattn_compile.blocks import QUANT_BLOCK_KV, SMOOTH_Q_BLOCK, group_sizes  # noqa: E402
+from qattn_compile.kernels import kernel_attention, supports  # noqa: E402
+from qattn_compile.kernels import attention as attn  # noqa: E402
+from qattn_compile.kernels import quantize as kq  # noqa: E402
+from qattn_compile.kernels.mask import (  # noqa: E402
+    TILE_FULL,
+    TILE_MIXED,
+    TILE_SKIP,
+    plan_mask,
+    tile_summary,
+)
+from qattn_compile.reference import (  # noqa: E402
+    SAS_POLY,
+    exact_attention,
+    quantized_scores,
+    reference_attention,
+    sas_exp,
+)
+from qattn_compile.reference import quant as rq  # noqa: E402
+from qattn_compile.reference import smooth as rsmooth  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="interpreter tests (CPU); on a GPU machine run tests/test_kernels_gpu.py",
+)
+
+ALL_PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", "fp8")
+EPS = 1e-3
+LOG2E = math.log2(math.e)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+
+
+def rel_l1(out, ref):
+    """Σ|o − r| / Σ|r| in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).abs().sum() / ref.abs().sum()).item()
+
+
+def make_qkv(b=1, hq=2, hkv=None, lq=45, lkv=None, d=64, dv=None, dtype=torch.float16,
+             k_outliers=False):
+    """Fresh N(0, 1) q, k, v; ``k_outliers`` adds a large per-channel offset/scale to K."""
+    hkv, lkv, dv = hkv or hq, lkv or lq, dv or d
+    q = torch.randn(b, hq, lq, d)
+    k = torch.randn(b, hkv, lkv, d)
+    v = torch.randn(b, hkv, lkv, dv)
+    if k_outliers:
+        k[..., ::7] = k[..., ::7] * 4 + 8  # channel outliers, as real K has
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def check_against_reference(q, k, v, preset, options=None, eps=EPS, **kwargs):
+    """Kernel vs reference vs exact; returns (kernel error, reference error)."""
+    out = kernel_attention(q, k, v, preset=preset, options=options, **kwargs)
+    ref = reference_attention(q, k, v, preset=preset, options=options, **kwargs)
+    exact = exact_attention(q, k, v, **kwargs)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert not out.isnan().any()
+    err_k, err_r = rel_l1(out, exact), rel_l1(ref, exact)
+    assert err_k <= 1.05 * err_r + eps, f"{preset}: kernel {err_k:.5f} vs reference {err_r:.5f}"
+    return out, err_k, err_r
+
+
+def random_bool_mask(shape, p_keep=0.7):
+    """Random keep-mask with the diagonal kept."""
+    mask = torch.rand(shape) < p_keep
+    n = min(shape[-2], shape[-1])
+    mask[..., torch.arange(n), torch.arange(n)] = True
+    return mask
+
+
+# ------------------------------------------------------------------------------------------
+# quantizers: bit-exact against qattn_compile.reference.quant
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("granularity", ["token", "warp", "block", "tensor"])
+@pytest.mark.parametrize("num_bits", [8, 4])
+def test_quantize_int_bit_exact(granularity, num_bits):
+    x = (torch.randn(1, 2, 77, 80) * 3).to(torch.float16)
+    x[..., 5] *= 30
+    for side, group in zip(("q", "kv"), group_sizes(granularity, 77, 77)):
+        ref_q, ref_scale = rq.quantize_int(x, group, num_bits)
+        got = kq.quantize_int(x, group, num_bits, scale_mul=0.125 * LOG2E)
+        values = rq.unpack_int4(got.data, 80) if num_bits == 4 else got.data
+        assert torch.equal(values, ref_q), (side, group)
+        assert torch.equal(got.scale, ref_scale * (0.125 * LOG2E))
+        if num_bits == 4:
+            assert torch.equal(got.data, rq.pack_int4(ref_q))
+
+
+def test_quantize_int_transposed_and_static():
+    x = torch.randn(2, 1, 50, 32)
+    got = kq.quantize_int(x, QUANT_BLOCK_KV, 8, transpose=True)
+    ref_q, ref_scale = rq.quantize_int(x, QUANT_BLOCK_KV, 8)
+    assert got.data.shape == (2, 1, 32, 64)  # [B, H, D, L_pad]
+    assert torch.equal(got.data[..., :50].transpose(-1, -2), ref_q)
+    assert torch.equal(got.scale, ref_scale)
+    with_sums = kq.quantize_int(x, 50, 8, transpose=True, colsum_chunk=32)  # fmha_int8's V
+    values = with_sums.data[..., :50].transpose(-1, -2).to(torch.int32)
+    padded = torch.nn.functional.pad(values, (0, 0, 0, 14))  # 64 tokens = 2 chunks of 32
+    assert torch.equal(with_sums.colsum, padded.reshape(2, 1, 2, 32, 32).sum(dim=3))
+    static = kq.quantize_int(x, 50, 8, amax=1.5)  # values beyond α saturate
+    ref_q, ref_scale = rq.quantize_int(x, 50, 8, amax=1.5)
+    assert torch.equal(static.data, ref_q) and torch.equal(static.scale, ref_scale)
+
+
+@pytest.mark.parametrize("group", [1, 16, 64, 128, 77])
+def test_quantize_fp8_bit_exact(group):
+    x = (torch.randn(1, 2, 77, 64) * 5).to(torch.float16)
+    got = kq.quantize_fp8(x, group, transpose=group == 64)
+    ref_q, ref_scale = rq.quantize_fp8(x, group)
+    data = got.data[..., :77].transpose(-1, -2) if group == 64 else got.data
+    assert torch.equal(data.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(got.scale, ref_scale)
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_quantize_fp8_per_channel(smooth):
+    v = torch.randn(1, 2, 45, 80) + torch.linspace(-3, 3, 80)
+    got = kq.quantize_fp8_per_channel(v, smooth=smooth)
+    src = v - got.mean if smooth else v
+    if smooth:
+        torch.testing.assert_close(got.mean, v.mean(dim=-2, keepdim=True), rtol=0, atol=1e-6)
+    ref_q, ref_scale = rq.quantize_fp8_per_channel(src)
+    assert torch.equal(got.data[..., :45].transpose(-1, -2).view(torch.uint8),
+                       ref_q.view(torch.uint8))
+    assert torch.equal(got.scale, ref_scale)
+
+
+def test_smoothing_means_and_delta_s():
+    q, k, _ = make_qkv(hq=4, hkv=2, lq=150, lkv=70, d=80, dtype=torch.float32, k_outliers=True)
+    k_mean = kq.smooth_mean(k)
+    q_mean = kq.smooth_mean(q, SMOOTH_Q_BLOCK)
+    k_s, ref_k_mean = rsmooth.smooth_k(k)
+    _, ref_q_mean = rsmooth.smooth_q(q)
+    torch.testing.assert_close(k_mean, ref_k_mean, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(q_mean, ref_q_mean, rtol=1e-6, atol=1e-6)
+    ds = kq.delta_s(q_mean, k, k_mean, 2.0)
+    torch.testing.assert_close(ds, 2.0 * rsmooth.delta_s(ref_q_mean, k_s), rtol=1e-5, atol=1e-4)
+    # Quantizing the smoothed tensor in the kernel = quantizing (x − mean) in the reference.
+    got = kq.quantize_int(k, QUANT_BLOCK_KV, 8, mean=k_mean)
+    ref_q, ref_scale = rq.quantize_int(k - k_mean, QUANT_BLOCK_KV, 8)
+    assert torch.equal(got.data, ref_q) and torch.equal(got.scale, ref_scale)
+
+
+# ------------------------------------------------------------------------------------------
+# the integer score path, bit for bit
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores_probe(q_ptr, k_ptr, out_ptr, Lq, Lkv, sql, skl, QK_FMT: tl.constexpr,
+                  HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Raw ``Q̂·K̂ᵀ`` of one tile through the kernel's own load and score helpers."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    q, q2 = attn.load_qk_tile(q_ptr, offs_m, sql, 1, Lq, QK_FMT, HEAD_D, BLOCK_D, True)
+    k, k2 = attn.load_qk_tile(k_ptr, offs_n, skl, 1, Lkv, QK_FMT, HEAD_D, BLOCK_D, True)
+    ones_m = tl.full((BLOCK_M,), 1.0, tl.float32)
+    ones_n = tl.full((BLOCK_N,), 1.0, tl.float32)
+    s = attn.qk_scores(q, q2, k, k2, ones_m, ones_n, 1.0, QK_FMT, "ieee")
+    tl.store(out_ptr + offs_m[:, None] * BLOCK_N + offs_n[None, :], s)
+
+
+@pytest.mark.parametrize(
+    "preset,options",
+    [
+        ("int_flash", None),
+        ("fmha_int8", None),
+        ("turbo", None),
+        ("sage2_8b", {"smooth_q": False, "smooth_k": False}),
+        ("sage2_4b", {"smooth_q": False, "smooth_k": False, "qk_granularity": "token"}),
+    ],
+)
+def test_integer_scores_bit_exact(preset, options):
+    lq, lkv, d = 29, 45, 80
+    q, k, _ = make_qkv(b=1, hq=1, lq=lq, lkv=lkv, d=d, k_outliers=True)
+    ref = quantized_scores(q, k, preset, options).dot[0, 0]
+    num_bits = 4 if preset == "sage2_4b" else 8
+    granularity = {"int_flash": "token", "fmha_int8": "tensor", "turbo": "block"}.get(
+        preset, (options or {}).get("qk_granularity", "warp"))
+    gq, gk = group_sizes(granularity, lq, lkv)
+    qq = kq.quantize_int(q, gq, num_bits)
+    kk = kq.quantize_int(k, gk, num_bits)
+    qd, kd = qq.data.view(torch.int8), kk.data.view(torch.int8)
+    out = torch.empty(32, 64, dtype=torch.float32)
+    fmt = attn.QK_INT4 if num_bits == 4 else attn.QK_INT8
+    _scores_probe[(1,)](qd, kd, out, lq, lkv, qd.stride(2), kd.stride(2), QK_FMT=int(fmt),
+                        HEAD_D=d, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128)
+    assert torch.equal(out[:lq, :lkv].double(), ref)
+
+
+@triton.jit
+def _sas_probe(y_ptr, out_ptr, thr_log2, c0, c1, c2, c3, N: tl.constexpr):
+    """Elementwise :func:`attention.sas_exp2` of ``N`` log2-domain values."""
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, attn.sas_exp2(tl.load(y_ptr + offs), thr_log2, c0, c1, c2, c3))
+
+
+def test_sas_exp_matches_reference():
+    x = torch.cat([-torch.rand(1000) * 9, torch.tensor([0.0, -6.0, -5.999, -6.001, -1e-7])])
+    x = torch.cat([x, torch.full((1024 - x.numel(),), -float("inf"))])
+    y = x * LOG2E
+    out = torch.empty_like(y)
+    _sas_probe[(1,)](y, out, -6.0 * LOG2E, *SAS_POLY, N=1024)
+    ref = sas_exp(x, -6.0)
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=0)
+    assert torch.equal(out == 0, ref == 0)
+
+
+# ------------------------------------------------------------------------------------------
+# mask summary
+# ------------------------------------------------------------------------------------------
+
+
+def test_tile_summary_codes():
+    mask = torch.ones(1, 1, 40, 70, dtype=torch.bool)
+    mask[..., :32, 32:64] = False  # tile (0, 1) all masked
+    mask[..., 35, 5] = False  # tile (1, 0) mixed
+    codes = tile_summary(mask, 32, 32)
+    assert codes.shape == (1, 1, 2, 3)
+    assert codes[0, 0].tolist() == [
+        [TILE_FULL, TILE_SKIP, TILE_FULL],
+        [TILE_MIXED, TILE_FULL, TILE_FULL],
+    ]
+    additive = torch.zeros(1, 70)
+    additive[0, 40:] = -float("inf")
+    additive[0, 3] = -1.0
+    codes = tile_summary(additive[None, None], 32, 32)  # broadcast query axis: one row of codes
+    assert codes[0, 0].tolist() == [[TILE_MIXED, TILE_MIXED, TILE_SKIP]]
+    # The kernel's per-query-tile lists of live key tiles; causal also skips above-diagonal.
+    plan = plan_mask(mask, (2, 4, 40, 70), 32, 32, is_causal=True)
+    assert plan.counts.shape == (2, 4, 2) and plan.counts.stride()[:2] == (0, 0)
+    assert plan.counts[0, 0].tolist() == [1, 2]  # tile (0, 1) masked; (1, 2) above diagonal
+    assert plan.tiles[0, 0, 0, :1].tolist() == [0] and plan.tiles[0, 0, 1, :2].tolist() == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------
+# attention: every preset against the reference and exact attention
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_presets_plain_and_outliers(preset):
+    q, k, v = make_qkv(lq=77, d=64)
+    check_against_reference(q, k, v, preset)
+    q, k, v = make_qkv(lq=40, lkv=70, d=32, k_outliers=True)
+    check_against_reference(q, k, v, preset)
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_presets_causal_rectangular_d80(preset):
+    q, k, v = make_qkv(lq=45, lkv=70, d=80)
+    check_against_reference(q, k, v, preset, is_causal=True)
+    q, k, v = make_qkv(lq=70, lkv=33, d=80)  # more queries than keys
+    check_against_reference(q, k, v, preset, is_causal=True)
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_presets_bool_mask_gqa_fully_masked_rows(preset):
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, lq=40, lkv=70, d=32)
+    mask = random_bool_mask((2, 1, 40, 70))
+    mask[0, 0, 3] = False  # fully masked rows
+    mask[1, 0, 30:] = False
+    mask[1, 0, :, 32:64] = False  # a skipped tile column
+    out, _, _ = check_against_reference(q, k, v, preset, attn_mask=mask)
+    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
+    assert torch.equal(out[1, :, 30:], torch.zeros_like(out[1, :, 30:]))
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_presets_additive_mask_and_causal(preset):
+    q, k, v = make_qkv(lq=50, lkv=50, d=64)
+    bias = torch.randn(1, 2, 50, 50)
+    bias[random_bool_mask((1, 2, 50, 50), p_keep=0.8).logical_not()] = -float("inf")
+    bias[0, 1, 7] = -float("inf")
+    out, _, _ = check_against_reference(q, k, v, preset, attn_mask=bias, is_causal=True)
+    assert torch.equal(out[0, 1, 7], torch.zeros_like(out[0, 1, 7]))
+    padding = torch.zeros(1, 1, 1, 50)
+    padding[..., 41:] = -float("inf")  # [B, 1, 1, Lkv] padding mask, broadcast everywhere
+    check_against_reference(q, k, v, preset, attn_mask=padding)
+
+
+@pytest.mark.parametrize(
+    "preset,options",
+    [
+        ("int_flash", {"v_granularity": "block"}),
+        ("fmha_int8", {"quantize_output": True}),
+        ("sage2_8b", {"qk_granularity": "token", "smooth_v": True}),
+        ("sage2_8b", {"qk_granularity": "block", "smooth_q": False}),
+        ("sage2_4b", {"smooth_k": False, "smooth_v": True}),
+        ("turbo", {"exp": "hardware"}),
+        ("turbo", {"sas_threshold": -3.0}),
+        ("fp8", {"granularity": "block"}),
+    ],
+)
+def test_preset_options(preset, options):
+    q, k, v = make_qkv(lq=70, lkv=140, d=64, k_outliers=True)
+    v = v + 2.0  # a V channel offset (what smooth_v removes)
+    check_against_reference(q, k, v, preset, options)
+
+
+def test_fmha_static_scales():
+    q, k, v = make_qkv(lq=40, d=32)
+    static = {"q": 3.0, "k": 3.5, "v": 2.5, "o": 1.0}
+    options = {"scales": "static", "calibration": "unused.json", "quantize_output": True}
+    out = kernel_attention(q, k, v, preset="fmha_int8", options=options, static_scales=static)
+    ref = reference_attention(q, k, v, preset="fmha_int8", options=options, static_scales=static)
+    exact = exact_attention(q, k, v)
+    assert rel_l1(out, exact) <= 1.05 * rel_l1(ref, exact) + EPS
+    # Per-head α carried in the options (how the graph op receives calibrated scales).
+    per_head = {"q": (3.0, 2.0), "k": (3.5, 3.0), "v": (2.5, 2.0), "o": (1.0, 0.8)}
+    options = {"scales": "static", "static_scales": per_head, "quantize_output": True}
+    assert supports(q.shape, k.shape, v.shape, q.dtype, q.device, "fmha_int8", options) is None
+    out = kernel_attention(q, k, v, preset="fmha_int8", options=options)
+    ref = reference_attention(q, k, v, preset="fmha_int8", options=options)
+    assert rel_l1(out, exact) <= 1.05 * rel_l1(ref, exact) + EPS
+
+
+def test_flash_fp32_matches_exact_and_strided_inputs():
+    q, k, v = make_qkv(b=2, hq=4, hkv=1, lq=33, lkv=65, d=96, dtype=torch.float32)
+    out = kernel_attention(q, k, v, is_causal=True, scale=0.3)
+    exact = exact_attention(q, k, v, is_causal=True, scale=0.3)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+    # [B, L, H, D] storage viewed as [B, H, L, D] (what HF projections give).
+    qs = q.transpose(1, 2).contiguous().transpose(1, 2)
+    ks = k.transpose(1, 2).contiguous().transpose(1, 2)
+    for preset in ("flash", "sage2_8b"):
+        torch.testing.assert_close(
+            kernel_attention(qs, ks, v, preset=preset), kernel_attention(q, k, v, preset=preset)
+        )
+
+
+def test_dv_differs_from_d_and_empty_keys():
+    q, k, v = make_qkv(lq=20, lkv=40, d=64, dv=32)
+    for preset in ("flash", "int_flash", "sage2_8b"):
+        check_against_reference(q, k, v, preset)
+    empty = kernel_attention(q, k[:, :, :0], v[:, :, :0], preset="turbo")
+    assert empty.shape == (1, 2, 20, 32) and not empty.any()
+
+
+def test_supports_reasons():
+    shape = (1, 2, 16, 64)
+    cpu = torch.device("cpu")
+    assert supports(shape, shape, shape, torch.float16, cpu, "sage2_8b", None) is None
+    big = (1, 2, 16, 512)
+    assert "head dim 512 > 256" in supports(big, big, big, torch.float16, cpu, "flash", None)
+    assert "float64" in supports(shape, shape, shape, torch.float64, cpu, "flash", None)
+    assert "multiple" in supports((1, 3, 16, 64), shape, shape, torch.float16, cpu, "flash", None)
+    assert "no kernel" in supports(shape, shape, shape, torch.float16, cpu, "none", None)
+    static = {"scales": "static", "calibration": "x.json"}
+    assert "static" in supports(shape, shape, shape, torch.float16, cpu, "fmha_int8", static)

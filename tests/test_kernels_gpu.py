@@ -1,0 +1,193 @@
+"""GPU tests of the Triton kernels at realistic sizes (run on the H100: ``pytest -m gpu``).
+
+The same matrix as ``tests/test_kernels.py`` (every preset against the simulated-quantization
+reference and fp64 exact attention, DESIGN §7) at B=2, H=8, L=1024/2048, D=64/128/256, plus
+what the interpreter cannot check: bf16 inputs, the hardware fp32→fp8 conversion (bit-exact
+FP8 quantizers) and the integer score path compiled for the GPU. Every test prints its
+numbers (``pytest -s`` shows the accuracy table).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qattn_compile.blocks import QUANT_BLOCK_KV, group_sizes
+from qattn_compile.reference import exact_attention, quantized_scores, reference_attention
+from qattn_compile.reference import quant as rq
+
+pytestmark = pytest.mark.gpu
+
+ALL_PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", "fp8")
+EPS = 1e-3
+DEV = "cuda"
+
+
+def _kernels():
+    """The kernel package (imported lazily: collection must not need a GPU)."""
+    from qattn_compile import kernels
+
+    return kernels
+
+
+def metrics(out, exact):
+    """(cos, rel-L1, RMSE) of ``out`` against ``exact`` in float64."""
+    o, r = out.double().flatten(), exact.double().flatten()
+    cos = F.cosine_similarity(o, r, dim=0).item()
+    return cos, ((o - r).abs().sum() / r.abs().sum()).item(), (o - r).pow(2).mean().sqrt().item()
+
+
+def make_qkv(b=2, hq=8, hkv=None, lq=1024, lkv=None, d=128, dtype=torch.float16, outliers=False):
+    """Fresh N(0, 1) q, k, v on the GPU; ``outliers`` gives K per-channel offsets/scales."""
+    hkv, lkv = hkv or hq, lkv or lq
+    q = torch.randn(b, hq, lq, d, device=DEV)
+    k = torch.randn(b, hkv, lkv, d, device=DEV)
+    v = torch.randn(b, hkv, lkv, d, device=DEV)
+    if outliers:
+        k[..., ::8] = k[..., ::8] * 3 + 10
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def check(q, k, v, preset, options=None, label="", **kwargs):
+    """Kernel vs reference vs exact on the GPU; asserts the DESIGN §7 criterion."""
+    out = _kernels().kernel_attention(q, k, v, preset=preset, options=options, **kwargs)
+    ref = reference_attention(q, k, v, preset=preset, options=options, **kwargs)
+    exact = exact_attention(q, k, v, **kwargs)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    mk, mr = metrics(out, exact), metrics(ref, exact)
+    print(f"{preset:10s} {label:28s} kernel cos={mk[0]:.5f} l1={mk[1]:.5f} rmse={mk[2]:.5f} | "
+          f"reference cos={mr[0]:.5f} l1={mr[1]:.5f} rmse={mr[2]:.5f}")
+    assert mk[1] <= 1.05 * mr[1] + EPS, f"{preset} {label}: kernel {mk[1]:.5f} vs ref {mr[1]:.5f}"
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_gpu_presets_accuracy_table(preset, d):
+    for outliers in (False, True):
+        q, k, v = make_qkv(d=d, outliers=outliers)
+        check(q, k, v, preset, label=f"D={d} {'K-outliers' if outliers else 'N(0,1)'}")
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_gpu_causal_gqa_2048(preset):
+    q, k, v = make_qkv(hq=8, hkv=2, lq=2048, d=128)
+    check(q, k, v, preset, label="causal GQA 8/2 L=2048", is_causal=True)
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_gpu_hf_bool_mask_fully_masked_rows(preset):
+    """transformers' materialized ``[B, 1, L, L]`` causal+padding mask, left padding."""
+    b, length = 2, 1024
+    q, k, v = make_qkv(b=b, lq=length, d=64)
+    causal = torch.ones(length, length, dtype=torch.bool, device=DEV).tril()
+    mask = causal.expand(b, 1, length, length).clone()
+    mask[1, :, :, :300] = False  # left padding: rows < 300 of batch 1 see nothing
+    out = check(q, k, v, preset, label="HF bool mask + padding", attn_mask=mask)
+    assert not out[1, :, :300].any()
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_gpu_additive_mask_odd_lengths(preset):
+    q, k, v = make_qkv(lq=1000, lkv=1531, d=128)
+    bias = torch.randn(2, 1, 1000, 1531, device=DEV)
+    bias[torch.rand_like(bias) > 0.9] = -math.inf
+    bias[..., 700:900] = -math.inf
+    check(q, k, v, preset, label="additive mask 1000x1531", attn_mask=bias)
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_gpu_bf16(preset):
+    q, k, v = make_qkv(d=128, dtype=torch.bfloat16, outliers=True)
+    check(q, k, v, preset, label="bf16 K-outliers")
+
+
+@pytest.mark.parametrize(
+    "preset,options",
+    [
+        ("int_flash", {"v_granularity": "block"}),
+        ("fmha_int8", {"quantize_output": True}),
+        ("sage2_8b", {"qk_granularity": "token", "smooth_v": True}),
+        ("sage2_8b", {"qk_granularity": "block"}),
+        ("sage2_4b", {"smooth_v": True}),
+        ("turbo", {"exp": "hardware"}),
+        ("fp8", {"granularity": "block"}),
+    ],
+)
+def test_gpu_preset_options(preset, options):
+    q, k, v = make_qkv(d=64, outliers=True)
+    check(q, k, v, preset, options, label=str(options), is_causal=True)
+
+
+def test_gpu_flash_matches_sdpa():
+    q, k, v = make_qkv(d=128)
+    out = _kernels().kernel_attention(q, k, v, is_causal=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------------------------------------
+# bit-exact pieces with the GPU's own conversions
+# ------------------------------------------------------------------------------------------
+
+
+# The reference quantizers run on CPU copies: their contract is IEEE float32 division, and on
+# CUDA ``tensor / python_float`` multiplies by the rounded reciprocal instead.
+
+
+@pytest.mark.parametrize("group", [1, 16, 64, 128, 1000])
+def test_gpu_quantizers_bit_exact(group):
+    kq = _kernels().quantize
+    x = (torch.randn(2, 4, 1000, 128, device=DEV) * 4).to(torch.bfloat16)
+    for bits in (8, 4):
+        ref_q, ref_scale = rq.quantize_int(x.cpu(), group, bits)
+        got = kq.quantize_int(x, group, bits)
+        values = rq.unpack_int4(got.data.cpu(), 128) if bits == 4 else got.data.cpu()
+        assert torch.equal(values, ref_q), (bits, (values != ref_q).sum().item())
+        assert torch.equal(got.scale.cpu(), ref_scale)
+    ref_q, ref_scale = rq.quantize_fp8(x.cpu(), group)
+    got = kq.quantize_fp8(x, group, transpose=True)
+    assert torch.equal(got.data[..., :1000].transpose(-1, -2).cpu().view(torch.uint8),
+                       ref_q.view(torch.uint8))
+    assert torch.equal(got.scale.cpu(), ref_scale)
+
+
+def test_gpu_fp8_per_channel_bit_exact():
+    kq = _kernels().quantize
+    v = torch.randn(2, 4, 1000, 128, device=DEV) * torch.linspace(0.1, 8, 128, device=DEV)
+    got = kq.quantize_fp8_per_channel(v.half(), smooth=True)
+    ref_q, ref_scale = rq.quantize_fp8_per_channel((v.half().float() - got.mean).cpu())
+    assert torch.equal(got.data[..., :1000].transpose(-1, -2).cpu().view(torch.uint8),
+                       ref_q.view(torch.uint8))
+    assert torch.equal(got.scale.cpu(), ref_scale)
+
+
+@pytest.mark.parametrize("preset,bits", [("int_flash", 8), ("turbo", 8), ("sage2_4b", 4)])
+def test_gpu_integer_scores_bit_exact(preset, bits):
+    from test_kernels import _scores_probe  # the interpreter tests' probe, compiled for the GPU
+
+    kern = _kernels()
+    lq, lkv, d = 64, 128, 128
+    q, k, _ = make_qkv(b=1, hq=1, lq=lq, lkv=lkv, d=d, outliers=True)
+    options = {"smooth_q": False, "smooth_k": False} if preset == "sage2_4b" else None
+    ref = quantized_scores(q.cpu(), k.cpu(), preset, options).dot[0, 0]
+    gran = {"int_flash": "token", "turbo": "block", "sage2_4b": "warp"}[preset]
+    gq, gk = group_sizes(gran, lq, lkv)
+    qd = kern.quantize.quantize_int(q, gq, bits).data.view(torch.int8)
+    kd = kern.quantize.quantize_int(k, gk, bits).data.view(torch.int8)
+    out = torch.empty(lq, lkv, device=DEV, dtype=torch.float32)
+    fmt = kern.attention.QK_INT4 if bits == 4 else kern.attention.QK_INT8
+    _scores_probe[(1,)](qd, kd, out, lq, lkv, qd.stride(2), kd.stride(2), QK_FMT=int(fmt),
+                        HEAD_D=d, BLOCK_M=lq, BLOCK_N=lkv, BLOCK_D=d)
+    assert torch.equal(out.double().cpu(), ref)
+
+
+def test_gpu_supports_and_v_block_constraint():
+    kern = _kernels()
+    shape = (1, 8, 128, 128)
+    device = torch.device(DEV)
+    assert kern.supports(shape, shape, shape, torch.bfloat16, device, "fp8", None) is None
+    cfg = kern.heuristics.attention_config("turbo", 128, torch.device(DEV), per_block_v=True)
+    assert QUANT_BLOCK_KV % cfg.block_n == 0
