@@ -1,4 +1,8 @@
-"""The ``qattn`` command."""
+"""The ``qattn`` command: demo, explain, diff, eval, calibrate, tune.
+
+Quantized attention for any PyTorch / Hugging Face model through
+``torch.compile(model, backend="qattn", options={"policy": "policy.yaml"})``.
+"""
 
 from __future__ import annotations
 
@@ -35,13 +39,14 @@ def _time_ms(fn) -> float:
 
 
 def _preset_table(bundle, reference, presets) -> str:
-    rows = [f"{'preset':<10} {'method':<48} {'cos':>9} {'rel-L1':>8}"]
+    width = max(len(PRESET_METHODS[p]) for p in presets)
+    rows = [f"{'preset':<10} {'method':<{width}} {'cos':>9} {'rel-L1':>8}"]
     for preset in presets:
         _compat.reset_dynamo()
         be = make_backend({"qattn": 1, "default": preset}, compiler="eager")
         out = bundle.run(torch.compile(bundle.model, backend=be))
         m = compare(out, reference)
-        rows.append(f"{preset:<10} {PRESET_METHODS[preset]:<48} {m['cos']:9.6f} {m['rel_l1']:8.5f}")
+        rows.append(f"{preset:<10} {PRESET_METHODS[preset]:<{width}} {m['cos']:9.6f} {m['rel_l1']:8.5f}")
     return "\n".join(rows)
 
 
@@ -84,7 +89,9 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qattn", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="qattn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every site decision")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="compile a bundled model with a policy and report")

@@ -27,6 +27,8 @@ from qattn_compile.models import tiny_llama
 from qattn_compile.policy import load_policy
 from qattn_compile.report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
 from qattn_compile.rewrite import rewrite_attention
+from qattn_compile.zoo import ZOO
+from qattn_compile.zoo import attention_modules as zoo_attention_modules
 
 QATTN_OP = "torch.ops.qattn.attention.default("
 SDPA_CALL = "scaled_dot_product_attention("
@@ -356,3 +358,25 @@ def test_html_renders_in_headless_chromium(typo_diff, tmp_path):
     dom = subprocess.run([*base, "--dump-dom", page.as_uri()], check=True, capture_output=True,
                          text=True, timeout=120).stdout
     assert 'id="site-0-0"' in dom and 'id="site-0-1"' in dom and TYPO_LINE in dom
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_cli_explain_lists_every_zoo_site(name, capsys):
+    """`qattn explain NAME` on every zoo architecture: one rewritten row per attention module."""
+    entry = ZOO[name]
+    expected = zoo_attention_modules(entry.build("sdpa"), entry)
+    assert run_cli(["explain", name, "--strict"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.split(" ", 1)[0] in expected]
+    assert sorted(line.split(" ", 1)[0] for line in rows) == sorted(expected)
+    assert all("reference (CPU) sage2_8b" in row for row in rows)
+    assert f"{len(expected)} of {len(expected)} attention site(s) rewritten" in out
+
+
+def test_cli_model_that_fails_on_its_inputs_is_a_clear_error(capsys):
+    from qattn_compile.cli import main
+
+    assert main(["explain", "clip"]) == 2
+    err = capsys.readouterr().err
+    assert "MODEL_SPEC 'clip' (CLIPModel) failed on its example inputs" in err
+    assert "Traceback" not in err

