@@ -242,3 +242,33 @@ def resolve_options(preset: str, options: dict | PresetOptions | None = None) ->
 def options_from_json(preset: str, text: str) -> PresetOptions:
     """Inverse of :meth:`PresetOptions.to_json` (used by the graph op)."""
     return PRESET_OPTIONS[preset].model_validate_json(text)
+
+
+def resolve_static_scales(preset: str, options: PresetOptions, explicit=None, device=None):
+    """The calibrated α a call of ``preset`` uses, or ``None`` in dynamic mode.
+
+    ``explicit`` (a mapping ``{"q", "k", "v"[, "o"]}`` of floats or tensors broadcastable to
+    ``[B, H, 1]``) wins over the options' own ``static_scales`` (filled in per site from the
+    calibration file by the rewrite). Raises ``ValueError`` when scales are given to a
+    preset that does not use them, or when static ``fmha_int8`` has none or lacks a key.
+    """
+    static = preset == "fmha_int8" and options.scales == "static"
+    if not static:
+        if explicit is not None:
+            raise ValueError(
+                f"static_scales are only used by fmha_int8 with `scales: static` (preset {preset!r} got them)"
+            )
+        return None
+    scales = explicit
+    if scales is None and options.static_scales is not None:
+        scales = options.static_scales.tensors(device)
+    needed = ["q", "k", "v"] + (["o"] if options.quantize_output else [])
+    if scales is None:
+        raise ValueError(
+            f"fmha_int8 with `scales: static` needs static_scales with keys {needed} "
+            f"(calibration file {options.calibration!r} was not resolved for this site)"
+        )
+    missing = [key for key in needed if key not in scales]
+    if missing:
+        raise ValueError(f"static_scales lacks {missing}; fmha_int8 static needs keys {needed}")
+    return scales

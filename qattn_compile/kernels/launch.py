@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..blocks import SMOOTH_Q_BLOCK, group_sizes
-from ..presets import PresetOptions, resolve_options
+from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
 from . import attention as ak
 from .heuristics import (
@@ -378,13 +378,7 @@ def _resolve(
     if preset not in _PREPARE:
         raise ValueError(f"qattn kernels cannot run preset {preset!r}: it has no kernel")
     opts = resolve_options(preset, options)
-    if preset != "fmha_int8" or opts.scales != "static":
-        return opts, None
-    if static_scales is None and getattr(opts, "static_scales", None) is not None:
-        static_scales = opts.static_scales.tensors(device)
-    if static_scales is None:
-        raise ValueError("fmha_int8 with `scales: static` needs static_scales (calibrated α)")
-    return opts, static_scales
+    return opts, resolve_static_scales(preset, opts, static_scales, device)
 
 
 def prepare_attention(

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from ..blocks import SMOOTH_Q_BLOCK, group_sizes
-from ..presets import PresetOptions, resolve_options
+from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from . import quant, smooth
 from .sas import sas_exp
 
@@ -289,29 +289,6 @@ def _prepare_v(v, preset, opts, compute_dtype, static_scales) -> tuple[Tensor, T
     return values * scale.to(torch.float64), None
 
 
-def _check_static_scales(preset: str, opts: PresetOptions, static_scales) -> Mapping | None:
-    """Validate ``static_scales`` against the preset; returns it (or None in dynamic mode)."""
-    static = preset == "fmha_int8" and opts.scales == "static"
-    if not static:
-        if static_scales is not None:
-            raise ValueError(
-                f"static_scales are only used by fmha_int8 with `scales: static` "
-                f"(preset {preset!r} got them)"
-            )
-        return None
-    needed = ["q", "k", "v"] + (["o"] if opts.quantize_output else [])
-    if static_scales is None:
-        raise ValueError(
-            "fmha_int8 with `scales: static` needs static_scales={'q': α_q, 'k': α_k, 'v': α_v"
-            + (", 'o': α_o}" if opts.quantize_output else "}")
-            + f" (calibration file {opts.calibration!r} is not loaded by the reference)"
-        )
-    missing = [key for key in needed if key not in static_scales]
-    if missing:
-        raise ValueError(f"static_scales lacks {missing}; fmha_int8 static needs keys {needed}")
-    return static_scales
-
-
 def _grouped_q(x: Tensor | None, hkv: int) -> Tensor | None:
     """``[B, Hq, L, N]`` -> ``[B, Hkv, G, L, N]`` (a view)."""
     if x is None:
@@ -447,9 +424,7 @@ def _setup(q, k, v, preset, options, compute_dtype, static_scales, scale):
     if preset == "none":
         raise ValueError("preset 'none' leaves the attention untouched; it has no reference")
     _check_inputs(q, k, v, compute_dtype)
-    if static_scales is None and getattr(opts, "static_scales", None) is not None:
-        static_scales = opts.static_scales.tensors(q.device)
-    statics = _check_static_scales(preset, opts, static_scales)
+    statics = resolve_static_scales(preset, opts, static_scales, q.device)
     tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return opts, statics, tau
 
