@@ -52,3 +52,25 @@ def register_log(setting_name: str, logger_name: str) -> None:
     from torch._logging._internal import register_log as _register_log
 
     _register_log(setting_name, logger_name)
+
+
+def statically_known_true(expr) -> bool:
+    """True when a (possibly symbolic) boolean is known true without adding a shape guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as _known_true
+
+    return _known_true(expr)
+
+
+def mark_static_address(tensor) -> None:
+    """Tell dynamo a buffer's address never changes (CUDA-graph-friendly caches)."""
+    import torch._dynamo
+
+    torch._dynamo.mark_static_address(tensor)
+
+
+def sdpa_graph_targets() -> tuple:
+    """The callables an SDPA call appears as in a dynamo graph (public and ``torch._C`` ones)."""
+    import torch
+    import torch.nn.functional as F
+
+    return (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer, StaticSlidingWindowLayer
 
+from .. import _compat
 from ..blocks import KV_CACHE_BLOCK
 from ..errors import PolicyError
 from ..policy import KVCacheLayer, load_policy
@@ -71,7 +72,7 @@ class FlashQView(NamedTuple):
 def _mark_static(tensors) -> None:
     if not torch.compiler.is_compiling():
         for t in tensors:
-            torch._dynamo.mark_static_address(t)
+            _compat.mark_static_address(t)
 
 
 class FlashQLayer(CacheLayerMixin):

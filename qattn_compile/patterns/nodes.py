@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from .._compat import statically_known_true
 
 
 class Op:

@@ -10,16 +10,16 @@ by ``repeat_kv``/``repeat_interleave`` are traced back to the un-repeated tensor
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
+from .. import _compat
 from . import gqa, masks
 from .masks import AdditiveTerm, KeepTerm, MaskSpec
 from .nodes import requires_grad, same_size, shape_of, tensor_value
 from .scaling import Factor, as_factor
 from .site import AttentionSite, module_of, source_of
 
-SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+SDPA_TARGETS = _compat.sdpa_graph_targets()
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 _CONSTANT_ONLY = ("dropout_p", "is_causal", "enable_gqa")

@@ -522,7 +522,7 @@ def quantized_scores(
     """
     opts, statics, tau = _setup(q, k, None, preset, options, compute_dtype, static_scales, scale)
     b, hq, lq, _ = q.shape
-    hkv, lkv = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     ops = _prepare(q, k, None, preset, opts, compute_dtype, statics)
     dot, _ = _dot_scores(ops, 0, lq, compute_dtype)
     shape5 = (b, hkv, hq // hkv)
