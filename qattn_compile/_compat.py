@@ -74,3 +74,10 @@ def sdpa_graph_targets() -> tuple:
     import torch.nn.functional as F
 
     return (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+
+
+def run_and_get_code(fn, *args, **kwargs):
+    """Run ``fn`` and return ``(result, [Inductor's generated source, ...])``."""
+    from torch._inductor.utils import run_and_get_code as _run_and_get_code
+
+    return _run_and_get_code(fn, *args, **kwargs)

@@ -13,7 +13,9 @@
 - returns ``[B, Hq, Lq, Dv]`` in q's dtype; fully masked rows are 0.
 
 On CUDA the op runs the Triton kernels (:mod:`qattn_compile.kernels`); elsewhere the
-plain-PyTorch reference (:mod:`qattn_compile.reference`). Which one serves a site is decided
+plain-PyTorch reference (:mod:`qattn_compile.reference`). Compiled graphs get
+``torch.ops.qattn.attention_triton`` for CUDA sites instead (same signature), a
+``triton_op`` whose kernels Inductor inlines. Which one serves a site is decided
 at rewrite time (:func:`execution_path`), so nothing falls back silently at run time.
 """
 
@@ -54,6 +56,56 @@ def attention(
 @attention.register_fake
 def _attention_fake(q, k, v, attn_mask, is_causal, scale, preset, options):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    preset: str,
+    options: str,
+) -> Tensor:
+    """:func:`attention` on CUDA as a ``triton_op``: what the rewrite puts in compiled graphs.
+
+    Its body is torch ops plus Triton launches that go through ``torch.library.wrap_triton``
+    while torch traces it, so Inductor inlines the quantizer and attention kernels into its
+    generated code (no opaque call, CUDA graphs keep working) instead of calling this op.
+    """
+    from .kernels import kernel_attention
+
+    out = kernel_attention(q, k, v, attn_mask, is_causal, scale, preset, options_from_json(preset, options))
+    return out.contiguous()
+
+
+# Registered only where CUDA exists: registering a triton_op pulls in torch's Triton-kernel
+# tracing machinery, which on CPU-only machines breaks later Triton-interpreter runs in the
+# same process (tl builtins resolve to JIT functions). CPU graphs never use this op.
+if torch.cuda.is_available():
+    torch.library.triton_op(f"{OP_NAMESPACE}::attention_triton", mutates_args=())(_attention_triton)
+
+
+def graph_ops() -> tuple:
+    """Every op overload the rewrite may insert (the triton_op only where it is registered)."""
+    found = [torch.ops.qattn.attention.default]
+    if hasattr(torch.ops.qattn, "attention_triton"):
+        found.append(torch.ops.qattn.attention_triton.default)
+    return tuple(found)
+
+
+def graph_op(device: torch.device | str, bool_mask: bool):
+    """The op overload the rewrite inserts for a site on ``device``.
+
+    CUDA sites get the inlinable ``attention_triton``, except sites with a bool mask tensor,
+    which keep the opaque custom op for now: the mask planner reinterprets bool masks as
+    uint8 (``Tensor.view(dtype)``), which Inductor cannot lower for bool (seen on the H100,
+    torch 2.11; benchmarks/NOTES.md). Additive masks and ``is_causal`` are inlined.
+    """
+    if execution_path(device) == "triton" and not bool_mask:
+        return torch.ops.qattn.attention_triton.default
+    return torch.ops.qattn.attention.default
 
 
 def execution_path(device: torch.device | str) -> str:

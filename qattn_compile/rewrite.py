@@ -39,6 +39,11 @@ log = logging.getLogger("qattn_compile.rewrite")
 _PROVENANCE = ("nn_module_stack", "stack_trace")
 
 
+def _is_bool(node: fx.Node | None) -> bool:
+    val = tensor_value(node) if node is not None else None
+    return val is not None and val.dtype == torch.bool
+
+
 def _site_dtype_device(site: AttentionSite):
     val = tensor_value(site.q)
     return (val.dtype, val.device) if val is not None else (None, None)
@@ -148,8 +153,9 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
     rank3 = len(shape_of(site.q)) == 3
     if rank3:
         q, k, v = (emit("unsqueeze", t, 0, method=True) for t in (q, k, v))
+    _, device = _site_dtype_device(site)
     out = emit(
-        torch.ops.qattn.attention.default, q, k, v, mask, site.is_causal, site.scale, preset, decision.options.to_json()
+        ops.graph_op(device, _is_bool(mask)), q, k, v, mask, site.is_causal, site.scale, preset, decision.options.to_json()
     )
     out.meta["qattn"] = {
         "fqn": site.fqn,

@@ -157,3 +157,13 @@ def test_inductor_compiles_rewritten_graph(make_bundle):
     be, out = _compile_run(bundle, policy={"qattn": 1, "default": "sage2_8b"})
     assert all(r.status == REWRITTEN for r in be.site_reports) and len(be.site_reports) == 2
     assert compare(out, reference)["cos"] > DEFAULT_COS_FLOOR
+
+
+def test_graph_op_choice():
+    """CPU sites and CUDA sites with a bool mask get the custom op; the rest the triton_op."""
+    from qattn_compile import ops
+
+    assert ops.graph_op("cpu", bool_mask=False) is torch.ops.qattn.attention.default
+    assert ops.graph_op("cuda", bool_mask=True) is torch.ops.qattn.attention.default
+    if torch.cuda.is_available():
+        assert ops.graph_op("cuda", bool_mask=False) is torch.ops.qattn.attention_triton.default

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .. import _compat
+from .. import _compat, ops
 from ..dynamo_backend import QattnBackend
 from ..errors import QattnError
 from ..policy import Policy, load_policy
@@ -49,7 +49,6 @@ from ..presets import options_from_json
 from ..reference import exact_attention
 from ..report import REWRITTEN, SiteReport
 
-_OP = torch.ops.qattn.attention.default
 
 
 _FP_POLICY = {"qattn": 1, "default": "flash"}
@@ -187,7 +186,7 @@ class CaptureBackend:
         inner._graphs = self._graphs
         inner(gm, example_inputs)  # rewrites gm in place (eager: returns gm.forward)
         reports = inner.site_reports
-        op_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _OP]
+        op_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops.graph_ops()]
         rewritten = [r for r in reports if r.status == REWRITTEN]
         if [n.meta.get("qattn", {}).get("fqn") for n in op_nodes] != [r.fqn for r in rewritten]:
             raise RuntimeError(

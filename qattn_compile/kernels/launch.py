@@ -30,7 +30,7 @@ from .heuristics import (
     qk_block_dim,
 )
 from .mask import MaskPlan, plan_mask
-from .primitives import interpreted
+from .primitives import interpreted, launcher
 from .quantize import (
     Quantized,
     delta_s,
@@ -260,7 +260,7 @@ def _launch(
         t_strides, c_strides = mask.tiles.stride(), mask.counts.stride()
     c0, c1, c2, c3 = SAS_POLY
     grid = (-(-lq // cfg.block_m), bsz * hq)
-    ak.attention_kernel[grid](
+    launcher(ak.attention_kernel, ops.q)[grid](
         ops.q, ops.k, ops.v, out, qs, ks, vs, ds, vmean, mvals, msum, mtiles, mcount, colsum,
         lq, lkv, hq, hq // hkv,
         qk_scale, ops.sas_threshold * LOG2E, c0, c1, c2, c3,

@@ -19,6 +19,19 @@ _RINT_MAGIC_BITS = tl.constexpr(0x4B400000)
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
+def launcher(kernel, like: torch.Tensor):
+    """What to index with the grid to launch ``kernel`` on tensors like ``like``.
+
+    Real tensors: the kernel itself. While torch traces (fake or functional tensor
+    subclasses, i.e. inside ``torch.ops.qattn.attention_triton`` under torch.compile):
+    ``torch.library.wrap_triton(kernel)``, so that Inductor sees the launch and inlines the
+    kernel into its generated code.
+    """
+    if type(like) is torch.Tensor:
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
 def interpreted(device: torch.device) -> bool:
     """True when kernels on ``device`` run in the Triton interpreter (CPU tensors).
 

@@ -38,6 +38,7 @@ from ..reference.quant import INT_QMAX as REF_INT_QMAX
 from .heuristics import padded_dim, quant_config
 from .primitives import (
     interpreted,
+    launcher,
     load_tile,
     pack_int4,
     rint_to_int32,
@@ -274,7 +275,7 @@ def token_stats(
     n_chunks = n_groups * chunks_per_group
     partial = torch.empty((3, bsz, heads, n_chunks, dim), device=x.device, dtype=torch.float32)
     interpreted(x.device)
-    _token_stats_kernel[(n_chunks, bsz * heads)](
+    launcher(_token_stats_kernel, x)[(n_chunks, bsz * heads)](
         x, partial[0], partial[1], partial[2], length, dim, group, chunks_per_group, n_chunks,
         *x.stride(), heads, CHUNK=chunk, BLOCK_T=min(cfg.block_t, chunk),
         BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
@@ -332,7 +333,7 @@ def _launch_quantize(
     mean_t = mean if mean is not None else scale_out
     mean_strides = mean.stride()[:3] if mean is not None else (0, 0, 0)
     exact = interpreted(x.device)
-    _quantize_kernel[(triton.cdiv(length, block_t), bsz * heads)](
+    launcher(_quantize_kernel, x)[(triton.cdiv(length, block_t), bsz * heads)](
         x, mean_t, sin, out, scale_out, colsum if colsum is not None else scale_out,
         length, dim, heads, mean_group, group, scale_mul,
         *x.stride(), *mean_strides, *sin_strides, *out_strides, n_groups,
@@ -489,7 +490,7 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float) 
     out = torch.empty((bsz, hq, n_blocks, lkv), device=k.device, dtype=torch.float32)
     interpreted(k.device)
     kmean = k_mean.contiguous() if k_mean is not None else q_mean
-    _delta_s_kernel[(triton.cdiv(max(lkv, 1), cfg.block_t), bsz * hq)](
+    launcher(_delta_s_kernel, k)[(triton.cdiv(max(lkv, 1), cfg.block_t), bsz * hq)](
         q_mean.contiguous(), k, kmean, out, lkv, dim, n_blocks, hq // hkv, hq, scale_mul,
         *k.stride(), SUB_K_MEAN=k_mean is not None, BLOCK_T=cfg.block_t,
         BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
