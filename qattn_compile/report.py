@@ -64,17 +64,18 @@ def count_by_pattern(reports: list[SiteReport]) -> dict[str, dict[str, int]]:
     return counts
 
 
+def format_grid(rows: list[tuple[str, ...]]) -> str:
+    """Fixed-width text table: ``rows[0]`` is the header, underlined; the last column is not padded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join([cell.ljust(w) for cell, w in zip(row, widths)] + [row[-1]]).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(rows[0][-1]))
+    return "\n".join(lines)
+
+
 def format_table(reports: list[SiteReport]) -> str:
-    """A fixed-width text table: FQN, class, preset, status, and the deciding rule or reason."""
+    """The short per-site table: FQN, class, preset, status, and the deciding rule or reason."""
     rows = [("site (module FQN)", "class", "preset", "status", "rule / reason")]
     for r in reports:
         why = f"by {r.rule}" if r.status == REWRITTEN else r.reason
         rows.append((r.fqn or "(top level)", r.module_class or "-", r.preset, r.status, why))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = []
-    for i, row in enumerate(rows):
-        cells = [row[c].ljust(widths[c]) for c in range(4)] + [row[4]]
-        lines.append("  ".join(cells).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths) + "  ------")
-    return "\n".join(lines)
+    return format_grid(rows)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..report import REWRITTEN, SiteReport
+from ..report import REWRITTEN, SiteReport, format_grid
 
 COLUMNS = ("site (module FQN)", "class", "pattern", "shapes q / k / v", "mask", "GQA", "rule", "preset",
            "kernel variant / why left alone")
@@ -79,11 +79,4 @@ def site_row(report: SiteReport) -> tuple[str, ...]:
 
 def format_site_table(reports: list[SiteReport]) -> str:
     """A fixed-width table with one row per site (the last column is not padded)."""
-    rows = [COLUMNS] + [site_row(r) for r in reports]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
-    lines = []
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths)] + [row[-1]]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(COLUMNS[-1]))
-    return "\n".join(lines)
+    return format_grid([COLUMNS] + [site_row(r) for r in reports])
