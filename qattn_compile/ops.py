@@ -41,16 +41,17 @@ def attention(
     options: str,
 ) -> Tensor:
     """Quantized flash attention of ``preset`` (see the module docstring for shapes)."""
+    return _run(q, k, v, attn_mask, is_causal, scale, preset, options)
+
+
+def _run(q, k, v, attn_mask, is_causal, scale, preset, options) -> Tensor:
+    """The body of both ops: the Triton kernels on CUDA, the reference elsewhere."""
     resolved = options_from_json(preset, options)
     if q.device.type == "cuda":
-        from .kernels import kernel_attention
-
-        out = kernel_attention(q, k, v, attn_mask, is_causal, scale, preset, resolved)
+        from .kernels import kernel_attention as implementation
     else:
-        from .reference import reference_attention
-
-        out = reference_attention(q, k, v, attn_mask, is_causal, scale, preset, resolved)
-    return out.contiguous()
+        from .reference import reference_attention as implementation
+    return implementation(q, k, v, attn_mask, is_causal, scale, preset, resolved).contiguous()
 
 
 @attention.register_fake
@@ -74,10 +75,7 @@ def _attention_triton(
     while torch traces it, so Inductor inlines the quantizer and attention kernels into its
     generated code (no opaque call, CUDA graphs keep working) instead of calling this op.
     """
-    from .kernels import kernel_attention
-
-    out = kernel_attention(q, k, v, attn_mask, is_causal, scale, preset, options_from_json(preset, options))
-    return out.contiguous()
+    return _run(q, k, v, attn_mask, is_causal, scale, preset, options)
 
 
 # Registered only where CUDA exists: registering a triton_op pulls in torch's Triton-kernel

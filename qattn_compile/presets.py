@@ -52,6 +52,7 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -239,8 +240,10 @@ def resolve_options(preset: str, options: dict | PresetOptions | None = None) ->
         ) from None
 
 
+@functools.lru_cache(maxsize=512)
 def options_from_json(preset: str, text: str) -> PresetOptions:
-    """Inverse of :meth:`PresetOptions.to_json` (used by the graph op)."""
+    """Inverse of :meth:`PresetOptions.to_json` (used by the graph op on every call, hence
+    cached: the options are frozen, and a graph holds a handful of distinct texts)."""
     return PRESET_OPTIONS[preset].model_validate_json(text)
 
 
