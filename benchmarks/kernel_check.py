@@ -4,10 +4,16 @@ Usage (on the GPU machine, from the repository root)::
 
     PYTHONPATH=. python benchmarks/kernel_check.py --out kernel_check.json
 
-1. Accuracy: for every preset × {N(0,1), K channel outliers} × D ∈ {64, 128} at N=2048
-   (B=1, H=8, bf16 inputs): cosine similarity, relative L1 and RMSE of the kernel and of the
-   reference (:func:`qattn_compile.reference.reference_attention`) against fp64 exact
-   attention.
+1. Accuracy, a same-run comparison with the peers at equal bit widths: for every preset
+   (plus ``int_flash smooth_k=false`` = INT-FlashAttention's own math and ``sage2_8b
+   pv=fp16``) × {N(0,1), K channel outliers} × D ∈ {64, 128} at N=2048 (B=1, H=8, bf16
+   inputs): cosine similarity, relative L1 and RMSE of the kernel and of the reference
+   (:func:`qattn_compile.reference.reference_attention`) against fp64 exact attention, and
+   SageAttention 1.0.6 (``sageattn``, when ``import sageattention`` works) on the same inputs.
+   Each row names its peer at the same bit widths and says whether our kernel's rel-L1 is no
+   worse: ``sage2_8b pv=fp16`` vs SageAttention 1.0.6 (INT8 Q·Kᵀ with K smoothing, fp16 P·V;
+   measured in this run), ``int_flash`` rows vs INT-FlashAttention's reported figures
+   (:data:`INT_FA_REPORTED`), the others have none that runs here.
 2. Speed: B=4, H=32, N=4096, D=128, bf16 (``--masks``: no mask, ``is_causal``, and/or the
    materialized bool causal mask transformers passes): median ``triton.testing.do_bench``
    time of the whole call (quantizers + attention), of the attention kernel alone on
@@ -35,6 +41,24 @@ from qattn_compile.reference import exact_attention, reference_attention
 
 PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", "fp8")
 DATASETS = ("normal", "k_outliers")
+SAGEATTN = "SageAttention 1.0.6"
+INT_FA = "INT-FlashAttention (reported, D=128)"
+NO_PEER = "none runnable here"
+INT_FA_REPORTED = {"normal": 0.028, "k_outliers": 0.054}
+"""INT-FlashAttention's reported rel-L1 at N=2048, D=128: N(0,1) inputs / K channel outliers
+(INT8 Q/K per token, INT8 P = round(127·P), INT8 V)."""
+VARIANTS: tuple[tuple[str, str, dict, str], ...] = (
+    # (row label, preset, options, peer at the same bit widths)
+    ("flash", "flash", {}, NO_PEER),
+    ("int_flash", "int_flash", {}, INT_FA),
+    ("int_flash smooth_k=false", "int_flash", {"smooth_k": False}, INT_FA),
+    ("fmha_int8", "fmha_int8", {}, NO_PEER),
+    ("sage2_8b", "sage2_8b", {}, NO_PEER),
+    ("sage2_8b pv=fp16", "sage2_8b", {"pv": "fp16"}, SAGEATTN),
+    ("sage2_4b", "sage2_4b", {}, NO_PEER),
+    ("turbo", "turbo", {}, NO_PEER),
+    ("fp8", "fp8", {}, NO_PEER),
+)
 SWEEP_PRESETS = ("flash", "int_flash", "sage2_8b", "fp8")
 SWEEP_CONFIGS = (  # (block_m, block_n, num_warps, num_stages) candidates for the D=128 table
     (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
@@ -61,22 +85,66 @@ def metrics(out, exact) -> dict:
     }
 
 
+def sageattention():
+    """``(fn, why)``: SageAttention 1.0.6's ``sageattn`` as ``fn(q, k, v) -> O`` (HND layout,
+    not causal; given copies, as it may smooth K in place), or ``(None, why it is not
+    importable)``."""
+    try:
+        from sageattention import sageattn
+    except Exception as exc:  # an absent wheel, or one built against another triton/torch
+        return None, f"{type(exc).__name__}: {exc}"
+
+    def run(q, k, v):
+        return sageattn(q.clone(), k.clone(), v.clone(), tensor_layout="HND", is_causal=False)
+
+    return run, None
+
+
+def peer_rel_l1(peer: str, data: str, measured: dict | None) -> float | None:
+    """The peer's rel-L1 on ``data``: SageAttention's from this run (``measured``: its row),
+    INT-FlashAttention's reported figure, None when there is none."""
+    if peer == SAGEATTN:
+        return measured["kernel"]["rel_l1"] if measured and "kernel" in measured else None
+    if peer == INT_FA:
+        return INT_FA_REPORTED[data]
+    return None
+
+
 def accuracy_rows(n: int) -> list[dict]:
-    """The accuracy table (one row per preset × data × D); failures carry ``error``."""
+    """The accuracy table: per D × data, one row per :data:`VARIANTS` entry (kernel and
+    reference metrics, the peer at the same bit widths, ``ours_le_peer``) and one for
+    SageAttention 1.0.6 (its output as ``kernel``, or why it did not run). Failures carry
+    ``error``."""
+    sage, why_not = sageattention()
     rows = []
     for d in (64, 128):
         for data in DATASETS:
             q, k, v = make_inputs(1, 8, n, d, data)
             exact = exact_attention(q, k, v)
-            for preset in PRESETS:
-                row = {"preset": preset, "data": data, "d": d, "n": n}
+            peer_row = {"preset": SAGEATTN, "variant": SAGEATTN, "options": {}, "data": data,
+                        "d": d, "n": n}
+            try:
+                if sage is None:
+                    raise RuntimeError(f"not importable ({why_not})")
+                peer_row["kernel"] = metrics(sage(q, k, v), exact)
+            except Exception as exc:
+                peer_row["error"] = f"{type(exc).__name__}: {exc}"
+            for label, preset, options, peer in VARIANTS:
+                row = {"preset": preset, "variant": label, "options": options, "data": data,
+                       "d": d, "n": n, "peer": peer,
+                       "peer_rel_l1": peer_rel_l1(peer, data, peer_row)}
                 try:
-                    row["kernel"] = metrics(kernel_attention(q, k, v, preset=preset), exact)
-                    row["reference"] = metrics(reference_attention(q, k, v, preset=preset), exact)
+                    out = kernel_attention(q, k, v, preset=preset, options=options)
+                    row["kernel"] = metrics(out, exact)
+                    ref = reference_attention(q, k, v, preset=preset, options=options)
+                    row["reference"] = metrics(ref, exact)
                 except Exception as exc:  # keep going: one broken preset must not hide the rest
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     traceback.print_exc()
+                if "kernel" in row and row["peer_rel_l1"] is not None:
+                    row["ours_le_peer"] = row["kernel"]["rel_l1"] <= row["peer_rel_l1"]
                 rows.append(row)
+            rows.append(peer_row)
     return rows
 
 
@@ -172,19 +240,38 @@ def profile_rows(b: int, h: int, n: int, d: int, presets: list[str]) -> dict:
     return tables
 
 
+def verdict(row: dict) -> str:
+    """The "ours <= peer" column: yes / NO, or "-" without a peer figure."""
+    if "ours_le_peer" not in row:
+        return "-"
+    return "yes" if row["ours_le_peer"] else "NO"
+
+
+def print_accuracy(rows: list[dict]) -> None:
+    """The accuracy table: kernel and reference against fp64 exact, peer, verdict."""
+    print(f"\n{'variant':24s} {'data':10s} {'D':>3s} | {'kernel cos':>10s} {'rel-L1':>8s} "
+          f"{'RMSE':>8s} | {'ref L1':>8s} | {'peer at same bit widths':36s} {'peer L1':>8s} "
+          f"{'ours<=peer':>10s}")
+    for r in rows:
+        head = f"{r['variant']:24s} {r['data']:10s} {r['d']:3d} | "
+        if "error" in r:
+            print(head + "ERROR " + r["error"][:100])
+            continue
+        kern = r["kernel"]
+        line = head + f"{kern['cos']:10.6f} {kern['rel_l1']:8.5f} {kern['rmse']:8.5f} | "
+        if "reference" not in r:  # the peer itself
+            print(line + f"{'':8s} | (measured peer)")
+            continue
+        peer_l1 = r["peer_rel_l1"]
+        peer_text = "n/a" if peer_l1 is None else f"{peer_l1:8.5f}"
+        print(line + f"{r['reference']['rel_l1']:8.5f} | {r['peer']:36s} {peer_text:>8s} "
+              f"{verdict(r):>10s}")
+
+
 def print_tables(result: dict) -> None:
     """The accuracy and timing tables as plain text."""
     print(f"\n{result['device']} | torch {result['torch']} | triton {result['triton']}")
-    print(f"\n{'preset':10s} {'data':11s} {'D':>4s} | {'kernel cos':>10s} {'rel-L1':>8s} "
-          f"{'RMSE':>8s} | {'ref cos':>10s} {'rel-L1':>8s} {'RMSE':>8s}")
-    for r in result["accuracy"]:
-        head = f"{r['preset']:10s} {r['data']:11s} {r['d']:4d} | "
-        if "error" in r:
-            print(head + "ERROR " + r["error"][:80])
-            continue
-        kern, ref = r["kernel"], r["reference"]
-        print(head + f"{kern['cos']:10.6f} {kern['rel_l1']:8.5f} {kern['rmse']:8.5f} | "
-              f"{ref['cos']:10.6f} {ref['rel_l1']:8.5f} {ref['rmse']:8.5f}")
+    print_accuracy(result["accuracy"])
     for r in result.get("sweep", []):
         if "error" in r:
             print(f"sweep {r['impl']:10s} {r['config']} ERROR {r['error'][:100]}")

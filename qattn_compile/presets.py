@@ -11,10 +11,16 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
 ``flash``
     FlashAttention: exact softmax attention in the input dtype with fp32 accumulation.
 ``int_flash``
-    INT-FlashAttention. Q, K: symmetric INT8 per token (scale = amax/127). Scores
-    ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m, ``P̂ = round(127·exp(S − m))`` in
-    [0, 127] and ``l = Σ P̂`` (summed from the quantized P). V: symmetric INT8 per tensor
-    (paper) or per block of V tokens (``v_granularity: block``). ``O = (P̂·V̂)·s_v / l``.
+    INT-FlashAttention. With ``smooth_k`` (default), K is first smoothed as in SageAttention2:
+    ``K ← K − mean_tokens(K)`` per channel, per (batch, kv head), over all ``Lkv`` tokens.
+    This is exact math, not an approximation: it shifts every score of query row ``i`` by
+    the same constant ``q_i·k̄``, to which softmax is invariant; it keeps K's channel
+    outliers (a per-channel offset) from inflating the per-token INT8 scale.
+    ``smooth_k: false`` is the paper's math exactly. Q, K: symmetric INT8 per token (scale
+    = amax/127). Scores ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m,
+    ``P̂ = round(127·exp(S − m))`` in [0, 127] and ``l = Σ P̂`` (summed from the quantized
+    P). V: symmetric INT8 per tensor (paper) or per block of V tokens
+    (``v_granularity: block``). ``O = (P̂·V̂)·s_v / l``.
 ``fmha_int8``
     INT8 FMHA. Q, K, V: symmetric INT8 per tensor with scales α/127 (α = amax, dynamic, or
     calibrated, static). ``P̂ = clamp(round(255·exp(S − m)), 0, 255)`` (UINT8 semantics),
@@ -29,9 +35,14 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     shifts every score of a row by one constant). Q smoothing: per block of SMOOTH_Q_BLOCK
     query tokens, ``Q ← Q − q̄`` and ``ΔS = q̄·Kᵀ`` (fp32, on the smoothed K) is added back
     to the scores. Q, K: symmetric INT8 (amax/127) per ``qk_granularity``. ``P̃ = exp(S − m)``,
-    ``l = Σ P̃`` (fp32, before quantization), ``P̂ = fp8_e4m3(448·P̃)``. V: FP8 e4m3 per
-    channel (scale = amax over tokens / 448), optionally smoothed (``V ← V − mean_tokens(V)``,
-    the mean added back to O). ``O = (P̂·V̂)/448·s_v / l`` with fp32 accumulation.
+    ``l = Σ P̃`` (fp32, before quantization). ``P·V`` per ``pv`` (the paper has both kernels):
+
+    - ``fp8`` (default): ``P̂ = fp8_e4m3(448·P̃)``; V: FP8 e4m3 per channel (scale = amax
+      over tokens / 448), optionally smoothed (``smooth_v``: ``V ← V − mean_tokens(V)``,
+      the mean added back to O). ``O = (P̂·V̂)/448·s_v / l`` with fp32 accumulation.
+    - ``fp16``: P and V in the input's 16-bit dtype (fp16 or bf16; fp32 inputs stay fp32),
+      ``P̂ = dtype(P̃)``, V unquantized, ``O = (P̂·V) / l`` with fp32 accumulation.
+      ``smooth_v`` only serves the FP8 V scale and is refused with it.
 ``sage2_4b``
     As ``sage2_8b`` with Q, K symmetric INT4 (values in [−7, 7], scale amax/7), stored
     packed two per byte and multiplied with the INT8 dot.
@@ -79,6 +90,9 @@ class IntFlashOptions(PresetOptions):
 
     v_granularity: Literal["tensor", "block"] = Field(
         "tensor", description="INT8 V scale per tensor (paper) or per block of V tokens."
+    )
+    smooth_k: bool = Field(
+        True, description="Subtract K's per-channel token mean (exact; false: the paper's math)."
     )
 
 
@@ -159,6 +173,19 @@ class Sage2Options(PresetOptions):
     smooth_k: bool = Field(True, description="Subtract K's per-channel token mean.")
     smooth_q: bool = Field(True, description="Subtract Q's per-block mean, add ΔS back.")
     smooth_v: bool = Field(False, description="Subtract V's channel mean, add it back to O.")
+    pv: Literal["fp8", "fp16"] = Field(
+        "fp8", description="P·V in FP8 e4m3 (P and per-channel V) or in the input's 16-bit dtype."
+    )
+
+    @model_validator(mode="after")
+    def _smooth_v_needs_fp8_pv(self) -> "Sage2Options":
+        if self.smooth_v and self.pv == "fp16":
+            raise ValueError(
+                "`smooth_v: true` does not go with `pv: fp16`: smoothing V only serves the "
+                "per-channel FP8 scale of `pv: fp8`, and with fp16 V is not quantized "
+                "(drop smooth_v, or use pv: fp8)"
+            )
+        return self
 
 
 class TurboOptions(PresetOptions):
@@ -196,8 +223,8 @@ PRESET_METHODS: dict[str, str] = {
     "flash": "FlashAttention (bf16/fp16, exact)",
     "int_flash": "INT-FlashAttention (INT8 Q/K/P/V)",
     "fmha_int8": "INT8 FMHA (INT8 Q/K/V, UINT8 P)",
-    "sage2_8b": "SageAttention2 8-bit (smoothed INT8 Q/K, FP8 P/V)",
-    "sage2_4b": "SageAttention2 4-bit (smoothed INT4 Q/K, FP8 P/V)",
+    "sage2_8b": "SageAttention2 8-bit (smoothed INT8 Q/K, FP8 or FP16 P/V)",
+    "sage2_4b": "SageAttention2 4-bit (smoothed INT4 Q/K, FP8 or FP16 P/V)",
     "turbo": "TurboAttention (FlashQ INT8 + SAS softmax)",
     "fp8": "FlashAttention-3-style FP8",
 }

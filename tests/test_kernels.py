@@ -200,7 +200,7 @@ def _scores_probe(q_ptr, k_ptr, out_ptr, Lq, Lkv, sql, skl, QK_FMT: tl.constexpr
 @pytest.mark.parametrize(
     "preset,options",
     [
-        ("int_flash", None),
+        ("int_flash", {"smooth_k": False}),
         ("fmha_int8", None),
         ("turbo", None),
         ("sage2_8b", {"smooth_q": False, "smooth_k": False}),
@@ -320,10 +320,13 @@ def test_presets_additive_mask_and_causal(preset):
     "preset,options",
     [
         ("int_flash", {"v_granularity": "block"}),
+        ("int_flash", {"smooth_k": False}),
         ("fmha_int8", {"quantize_output": True}),
         ("sage2_8b", {"qk_granularity": "token", "smooth_v": True}),
         ("sage2_8b", {"qk_granularity": "block", "smooth_q": False}),
+        ("sage2_8b", {"pv": "fp16"}),
         ("sage2_4b", {"smooth_k": False, "smooth_v": True}),
+        ("sage2_4b", {"pv": "fp16", "qk_granularity": "token"}),
         ("turbo", {"exp": "hardware"}),
         ("turbo", {"sas_threshold": -3.0}),
         ("fp8", {"granularity": "block"}),
@@ -333,6 +336,32 @@ def test_preset_options(preset, options):
     q, k, v = make_qkv(lq=70, lkv=140, d=64, k_outliers=True)
     v = v + 2.0  # a V channel offset (what smooth_v removes)
     check_against_reference(q, k, v, preset, options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_sage2_fp16_pv_masks_gqa(dtype):
+    """``pv: fp16`` (P_NATIVE / V_NATIVE after INT8 Q·Kᵀ): GQA, a bool mask with fully masked
+    rows, causal, ragged lengths; fp32 inputs keep an fp32 P·V."""
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, lq=45, lkv=70, d=64, dtype=dtype, k_outliers=True)
+    mask = random_bool_mask((2, 1, 45, 70))
+    mask[1, 0, 5] = False
+    out, _, _ = check_against_reference(q, k, v, "sage2_8b", {"pv": "fp16"}, attn_mask=mask,
+                                        is_causal=True)
+    assert torch.equal(out[1, :, 5], torch.zeros_like(out[1, :, 5]))
+
+
+def test_int_flash_smooth_k_kernel_removes_outlier_damage():
+    """The kernel's ``smooth_k`` (the ``smooth_mean`` kernel, subtracted in the quantizer)
+    undoes a per-channel K offset as the reference does."""
+    q, k, v = make_qkv(lq=64, lkv=96, d=64)
+    k_out = k.clone()
+    k_out[..., ::8] += 12.0
+    exact = exact_attention(q, k_out, v)
+    _, smoothed, _ = check_against_reference(q, k_out, v, "int_flash")
+    _, raw, _ = check_against_reference(q, k_out, v, "int_flash", {"smooth_k": False})
+    clean = rel_l1(kernel_attention(q, k, v, preset="int_flash"), exact_attention(q, k, v))
+    assert smoothed < 1.3 * clean and raw > 1.5 * smoothed, (clean, smoothed, raw)
+    assert rel_l1(kernel_attention(q, k_out, v, preset="int_flash"), exact) == smoothed
 
 
 def test_fmha_static_scales():

@@ -227,8 +227,31 @@ def test_sage2_unknown_option_lists_allowed_keys():
     message = error_of(RULES.format(rule="{match: '*self_attn', preset: sage2_8b, "
                                          "options: {smooth_x: true}}"))
     assert "smooth_x" in message
-    for key in ("qk_granularity", "smooth_k", "smooth_q", "smooth_v"):
+    for key in ("qk_granularity", "smooth_k", "smooth_q", "smooth_v", "pv"):
         assert key in message
+
+
+def test_sage2_pv_option():
+    ok = load_policy(RULES.format(rule="{match: '*self_attn', preset: sage2_8b, "
+                                       "options: {pv: fp16}}"))
+    assert ok.rules[2].options == Sage2Options(pv="fp16")
+    assert ok.to_dict()["rules"][2]["options"] == {"pv": "fp16"}
+    message = error_of(RULES.format(rule="{match: '*self_attn', preset: sage2_8b, "
+                                         "options: {pv: fp4}}"))
+    for fragment in ("rules[2] (match '*self_attn')", "bad options for preset 'sage2_8b'",
+                     "field `pv`", "'fp8' or 'fp16'"):
+        assert fragment in message, (fragment, message)
+    message = error_of(RULES.format(rule="{match: x, preset: sage2_4b, "
+                                         "options: {pv: fp16, smooth_v: true}}"))
+    assert "`smooth_v: true`" in message and "`pv: fp16`" in message
+
+
+def test_int_flash_smooth_k_option():
+    p = load_policy(RULES.format(rule="{match: x, preset: int_flash, options: {smooth_k: false}}"))
+    assert p.rules[2].options == IntFlashOptions(smooth_k=False)
+    assert IntFlashOptions().smooth_k is True  # default: smoothed K (exact math)
+    assert "field `smooth_k`" in error_of(
+        RULES.format(rule="{match: x, preset: int_flash, options: {smooth_k: maybe}}"))
 
 
 def test_options_are_validated_against_their_own_preset():

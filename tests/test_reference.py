@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from qattn_compile.blocks import QUANT_BLOCK_KV, QUANT_BLOCK_Q, QUANT_WARP_Q, SMOOTH_Q_BLOCK
 from qattn_compile.errors import PolicyError
-from qattn_compile.presets import QUANTIZED_PRESETS, Sage2Options
+from qattn_compile.presets import QUANTIZED_PRESETS, Sage2Options, resolve_options
 from qattn_compile.reference import (
     SAS_POLY,
     exact_attention,
@@ -195,11 +195,14 @@ def test_flash_half_inputs_round_p(dtype):
 NORMAL_BOUNDS = {
     ("int_flash", None): (0.01, 0.04),  # 2.1 %
     ("int_flash", (("v_granularity", "block"),)): (0.01, 0.04),  # 2.0 %
+    ("int_flash", (("smooth_k", False),)): (0.01, 0.04),  # 2.1 % (the paper's math)
     ("fmha_int8", None): (0.01, 0.04),  # 1.9 %
     ("fmha_int8", (("quantize_output", True),)): (0.01, 0.045),  # 2.3 %
     ("sage2_8b", None): (0.02, 0.06),  # 3.8 %
     ("sage2_8b", (("smooth_v", True),)): (0.02, 0.06),  # 3.8 %
+    ("sage2_8b", (("pv", "fp16"),)): (0.005, 0.02),  # 1.2 % (fp32 inputs: INT8 Q/K only)
     ("sage2_4b", None): (0.12, 0.35),  # 22 %
+    ("sage2_4b", (("pv", "fp16"),)): (0.12, 0.35),  # 21 %
     ("turbo", None): (0.01, 0.04),  # 2.3 %
     ("turbo", (("exp", "hardware"),)): (0.01, 0.04),  # 2.3 %
     ("fp8", None): (0.03, 0.09),  # 5.3 %
@@ -232,6 +235,7 @@ def test_preset_error_orderings(normal_errors):
     e = {key: val[0] for key, val in normal_errors.items()}
     assert e["int_flash", None] < e["fp8", None] * 0.6  # INT-FlashAttention's claim vs FP8
     assert e["sage2_8b", None] < e["sage2_4b", None] / 3
+    assert e["sage2_8b", (("pv", "fp16"),)] < e["sage2_8b", None] / 2  # FP8 P·V dominates
     assert e["fmha_int8", None] < e["fmha_int8", (("quantize_output", True),)]
     assert abs(e["turbo", None] - e["turbo", (("exp", "hardware"),)]) < 0.05 * e["turbo", None]
 
@@ -275,13 +279,31 @@ def test_k_smoothing_removes_channel_outliers(preset):
 
 
 def test_k_outliers_hurt_unsmoothed_int8():
+    paper = {"smooth_k": False}  # INT-FlashAttention's own math
+    q, k, v = qkv(lq=256, d=64)
+    k_out = _with_k_outliers(k)
+    clean = rel_l1(reference_attention(q, k, v, preset="int_flash", options=paper),
+                   exact_attention(q, k, v))
+    ref = exact_attention(q, k_out, v)
+    outl = rel_l1(reference_attention(q, k_out, v, preset="int_flash", options=paper), ref)
+    sage = rel_l1(reference_attention(q, k_out, v, preset="sage2_8b"), ref)
+    assert outl > 1.5 * clean and sage < outl
+
+
+def test_int_flash_smooth_k_makes_outliers_harmless():
+    """With ``smooth_k`` (default) a per-channel K offset no longer costs accuracy: rel-L1
+    with outliers stays within 1.3× of the clean error, and K + c gives the output of K."""
     q, k, v = qkv(lq=256, d=64)
     k_out = _with_k_outliers(k)
     clean = rel_l1(reference_attention(q, k, v, preset="int_flash"), exact_attention(q, k, v))
     ref = exact_attention(q, k_out, v)
-    outl = rel_l1(reference_attention(q, k_out, v, preset="int_flash"), ref)
-    sage = rel_l1(reference_attention(q, k_out, v, preset="sage2_8b"), ref)
-    assert outl > 1.5 * clean and sage < outl
+    smoothed = rel_l1(reference_attention(q, k_out, v, preset="int_flash"), ref)
+    raw = rel_l1(reference_attention(q, k_out, v, preset="int_flash",
+                                     options={"smooth_k": False}), ref)
+    assert smoothed < 1.3 * clean and raw > 1.5 * clean
+    kw = {"preset": "int_flash", "compute_dtype": torch.float64}
+    same = reference_attention(q.double(), k_out.double(), v.double(), **kw)
+    assert rel_l1(same, reference_attention(q.double(), k.double(), v.double(), **kw)) < 1e-3
 
 
 # ------------------------------------------------------------------------------------------
@@ -350,9 +372,28 @@ def test_integer_scores_are_exact_integers():
 
 def test_int_flash_scores_close_to_exact():
     q, k, _ = qkv(lq=64, d=64)
-    s = quantized_scores(q, k, "int_flash").scores(torch.float64)
+    s = quantized_scores(q, k, "int_flash", {"smooth_k": False}).scores(torch.float64)
     exact = (q.double() @ k.double().transpose(-1, -2)) / 8
     assert (s - exact).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_int_flash_smooth_k_scores_math(smooth_k):
+    """Q̂·K̂ᵀ of per-token INT8 Q and of K (paper) or K − k̄ (``smooth_k``), and against fp64:
+    the smoothed scores are the exact ones shifted by the row constant q_i·k̄·τ."""
+    q, k, _ = qkv(hq=4, hkv=2, lq=50, lkv=70, d=64)
+    k = _with_k_outliers(k)
+    parts = quantized_scores(q, k, "int_flash", {"smooth_k": smooth_k})
+    k_used, k_mean = smooth.smooth_k(k) if smooth_k else (k, torch.zeros_like(k[..., :1, :]))
+    q_int, _ = quant.quantize_int(q, 1, 8)
+    k_int, _ = quant.quantize_int(k_used, 1, 8)
+    want = q_int.double() @ k_int.double().repeat_interleave(2, 1).transpose(-1, -2)
+    assert torch.equal(parts.dot, want)
+    k_rep, mean_rep = k.double().repeat_interleave(2, 1), k_mean.double().repeat_interleave(2, 1)
+    shift = (q.double() @ mean_rep.transpose(-1, -2)) / 8  # [B, Hq, Lq, 1]: one per row
+    exact = (q.double() @ k_rep.transpose(-1, -2)) / 8
+    err = (parts.scores(torch.float64) - (exact - shift)).abs().max()
+    assert err < (0.06 if smooth_k else 0.5)  # unsmoothed: the offset inflates the K scale
 
 
 def test_int_flash_output_formula():
@@ -363,6 +404,35 @@ def test_int_flash_output_formula():
     want = (p.p @ v_q.double()) * v_scale.double()[..., None] / p.l
     got = reference_attention(q, k, v, preset="int_flash")
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sage2_fp16_pv_formula(dtype):
+    """``pv: fp16``: P̂ = P̃ rounded to the input dtype, l = Σ P̃, V unquantized,
+    O = (P̂·V) / l; the Q/K side is that of ``pv: fp8``."""
+    q, k, v = qkv(hq=4, hkv=2, lq=33, lkv=47, d=32, dtype=dtype)
+    opts = {"pv": "fp16"}
+    parts = quantized_probs(q, k, preset="sage2_8b", options=opts, p_dtype=dtype)
+    scores = quantized_scores(q, k, "sage2_8b", opts).scores()
+    p_float = torch.exp(scores - scores.amax(-1, keepdim=True))
+    assert parts.unit == 1.0
+    assert torch.equal(parts.p, p_float.to(dtype).float())
+    torch.testing.assert_close(parts.l, p_float.sum(-1, keepdim=True))
+    fp8_scores = quantized_scores(q, k, "sage2_8b").scores()
+    assert torch.equal(scores, fp8_scores)
+    want = (parts.p @ v.float().repeat_interleave(2, 1)) / parts.l
+    got = reference_attention(q, k, v, preset="sage2_8b", options=opts)
+    torch.testing.assert_close(got.float(), want.to(dtype).float())
+
+
+def test_sage2_fp16_pv_rejects_smooth_v():
+    with pytest.raises(ValueError, match="smooth_v.*pv: fp16"):
+        Sage2Options(pv="fp16", smooth_v=True)
+    with pytest.raises(PolicyError) as info:
+        resolve_options("sage2_4b", {"pv": "fp16", "smooth_v": True})
+    assert "`smooth_v: true`" in str(info.value) and "`pv: fp16`" in str(info.value)
+    with pytest.raises(PolicyError, match="field `pv`"):
+        resolve_options("sage2_8b", {"pv": "fp4"})
 
 
 def test_sage2_output_formula_per_channel_fp8_v():

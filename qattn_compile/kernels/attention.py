@@ -28,7 +28,8 @@ softmax scale and log2(e) are folded into Q's scale). Switches:
 
 Fully masked rows give 0. The accumulator is float32 and updated as ``acc·α + dot(P, V)``
 (a fresh product added once per tile: SageAttention2's two-level accumulation for FP8).
-All global loads go through :func:`~.primitives.load_tile` so TMA descriptors can replace them.
+Global loads go through :func:`~.primitives.load_tile`, or, with ``USE_TMA``, K and V tiles
+through TMA descriptors (:func:`kv_descriptors`).
 """
 
 from __future__ import annotations
@@ -86,15 +87,52 @@ def load_qk_tile(base, rows, stride_r, stride_c, n_rows, QK_FMT: tl.constexpr,
     """
     if QK_FMT == QK_INT4:
         cols = tl.arange(0, BLOCK_D // 2)
-        packed = load_tile(base, rows, cols, stride_r, stride_c, n_rows, (HEAD_D + 1) // 2,
-                           0.0, MASK_ROWS, (HEAD_D + 1) // 2 != BLOCK_D // 2)
-        a, b = split_int4(packed)
+        tile = load_tile(base, rows, cols, stride_r, stride_c, n_rows, (HEAD_D + 1) // 2,
+                         0.0, MASK_ROWS, (HEAD_D + 1) // 2 != BLOCK_D // 2)
     else:
         cols = tl.arange(0, BLOCK_D)
-        a = load_tile(base, rows, cols, stride_r, stride_c, n_rows, HEAD_D, 0.0, MASK_ROWS,
-                      HEAD_D != BLOCK_D)
-        b = a
+        tile = load_tile(base, rows, cols, stride_r, stride_c, n_rows, HEAD_D, 0.0, MASK_ROWS,
+                         HEAD_D != BLOCK_D)
+    return qk_operands(tile, QK_FMT)
+
+
+@triton.jit
+def qk_operands(tile, QK_FMT: tl.constexpr):
+    """A loaded Q/K tile as the two operands of :func:`qk_scores`: INT4 bytes split into
+    their even/odd channels (int8), any other format ``(tile, tile)``."""
+    if QK_FMT == QK_INT4:
+        a, b = split_int4(tile)
+    else:
+        a = tile
+        b = tile
     return a, b
+
+
+@triton.jit
+def kv_descriptors(k_base, v_base, Lkv, skl, svl, svd, QK_FMT: tl.constexpr,
+                   V_FMT: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """TMA descriptors of one (batch, kv head)'s K and V (Hopper bulk tile copies).
+
+    K: ``[Lkv, D]`` rows (INT4: ``ceil(D/2)`` bytes), boxes ``[BLOCK_N, BLOCK_D]``
+    (``BLOCK_D / 2`` bytes for INT4). V: native ``[Lkv, Dv]`` rows, boxes ``[BLOCK_N,
+    BLOCK_DV]``; 8-bit K-major ``[Dv, Lkv]`` (token stride 1), boxes ``[BLOCK_DV, BLOCK_N]``.
+    Reads beyond ``Lkv`` or the head dim return 0, so ragged tiles need no bounds masks;
+    the launcher guarantees the 16-byte alignment of bases and row strides.
+    """
+    if QK_FMT == QK_INT4:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Lkv, (HEAD_D + 1) // 2],
+                                           strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D // 2])
+    else:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Lkv, HEAD_D], strides=[skl, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    if V_FMT == V_NATIVE:
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[Lkv, HEAD_DV], strides=[svl, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[HEAD_DV, Lkv], strides=[svd, 1],
+                                           block_shape=[BLOCK_DV, BLOCK_N])
+    return k_desc, v_desc
 
 
 @triton.jit
@@ -259,14 +297,14 @@ def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
 @triton.jit
 def _tile_step(
     acc, m_i, l_i, q, q2, q_scale, start_m, start_n,
-    k_base, v_base, ks_base, vs_base, ds_row, mask_base, cs_base, code,
+    k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code,
     Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3,
     skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
     QK_FMT: tl.constexpr, P_FMT: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
     EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
     BOUNDED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr,
     K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, CS_CHUNK: tl.constexpr, EXACT_FP8: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -275,12 +313,21 @@ def _tile_step(
     State: ``acc`` float32 ``[BLOCK_M, BLOCK_DV]``, ``m_i``/``l_i`` float32 ``[BLOCK_M]``
     (running max in log2 units, running sum in units of the P format's scale). ``code``: the
     tile's mask summary (a mixed tile reads the tensor mask). ``BOUNDED``: mask keys
-    ``>= Lkv`` and, with ``IS_CAUSAL``, keys after the query. Returns ``(acc, m_i, l_i)``.
+    ``>= Lkv`` and, with ``IS_CAUSAL``, keys after the query. ``USE_TMA``: K and V tiles come
+    from the descriptors ``k_desc``/``v_desc`` (:func:`kv_descriptors`), else from pointers
+    at ``k_base``/``v_base`` (the descriptor arguments are then unused). Returns
+    ``(acc, m_i, l_i)``.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k, k2 = load_qk_tile(k_base, offs_n, skl, skd, Lkv, QK_FMT, HEAD_D, BLOCK_D, BOUNDED)
-    k_scale = _load_group_scale(ks_base, offs_n, Lkv, sksg, K_GROUP, BOUNDED)
+    if USE_TMA:
+        k, k2 = qk_operands(k_desc.load([start_n, 0]), QK_FMT)
+    else:
+        k, k2 = load_qk_tile(k_base, offs_n, skl, skd, Lkv, QK_FMT, HEAD_D, BLOCK_D, BOUNDED)
+    if QK_FMT == QK_NATIVE:
+        k_scale = 1.0  # native scores take qk_scale instead
+    else:
+        k_scale = _load_group_scale(ks_base, offs_n, Lkv, sksg, K_GROUP, BOUNDED)
     s = qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT, DOT_PRECISION)
     if HAS_DS:
         if BOUNDED:
@@ -308,7 +355,12 @@ def _tile_step(
         alpha = tl.math.exp2(m_i - m_use)
         p, row_sum = softmax_probs(s - m_use[:, None], thr_log2, c0, c1, c2, c3, P_FMT,
                                    EXP_MODE, EXACT_FP8)
-        v = load_v_tile(v_base, offs_n, svl, svd, Lkv, V_FMT, HEAD_DV, BLOCK_DV, BOUNDED)
+        if USE_TMA and V_FMT == V_NATIVE:
+            v = v_desc.load([start_n, 0])
+        elif USE_TMA:
+            v = tl.trans(v_desc.load([0, start_n]))
+        else:
+            v = load_v_tile(v_base, offs_n, svl, svd, Lkv, V_FMT, HEAD_DV, BLOCK_DV, BOUNDED)
         if P_FMT == P_UINT8:
             v_colsum = _load_v_colsum(cs_base, start_n, Lkv, scsc, CS_CHUNK, HEAD_DV,
                                       BLOCK_N, BLOCK_DV, BOUNDED)
@@ -352,6 +404,7 @@ def attention_kernel(
     Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, DS_GROUP: tl.constexpr,
     CS_CHUNK: tl.constexpr,
     EXACT_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -365,7 +418,8 @@ def attention_kernel(
     cdiv(Lkv, CS_CHUNK), Dv]`` channel sums of V̂; mask ``[B, Hq, Lq, Lkv]`` and
     its summary codes / live-tile lists ``[B, Hq, n_m, n_n]`` and counts ``[B, Hq, n_m]``
     (:class:`.mask.MaskPlan`; stride 0 on broadcast dims). Query head ``h`` reads
-    kv head ``h // hq_per_kv`` (GQA without repeating K/V).
+    kv head ``h // hq_per_kv`` (GQA without repeating K/V). ``USE_TMA``: K/V tiles by TMA
+    descriptors (Hopper; the launcher checks alignment).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -386,6 +440,11 @@ def attention_kernel(
     ds_row = ds_ptr + b * sdsb + hq * sdsh + (start_m // DS_GROUP) * sdsg
     mask_base = mask_ptr + b * smb + hq * smh
     cs_base = cs_ptr + b * scsb + hkv * scsh
+    if USE_TMA:
+        k_desc, v_desc = kv_descriptors(k_base, v_base, Lkv, skl, svl, svd, QK_FMT, V_FMT,
+                                        HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV)
+    else:
+        k_desc, v_desc = k_base, v_base  # unused by the pointer loads
 
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -400,19 +459,19 @@ def attention_kernel(
             full_hi = tl.minimum(full_hi, ((start_m + 1) // BLOCK_N) * BLOCK_N)
         for start_n in range(0, full_hi, BLOCK_N):
             acc, m_i, l_i = _tile_step(
-                acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, ks_base,
-                vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2,
-                c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
+                acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, k_desc, v_desc,
+                ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale,
+                thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
                 QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, False, IS_CAUSAL, HAS_DS,
-                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION,
+                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
         for start_n in range(full_hi, hi, BLOCK_N):
             acc, m_i, l_i = _tile_step(
-                acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, ks_base,
-                vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2,
-                c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
+                acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, k_desc, v_desc,
+                ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale,
+                thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
                 QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL, HAS_DS,
-                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION,
+                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         # Tensor mask: only the key tiles the summary does not skip, bounds always checked.
@@ -424,10 +483,10 @@ def attention_kernel(
             code = tl.load(code_base + n_tile * ssn)
             acc, m_i, l_i = _tile_step(
                 acc, m_i, l_i, q, q2, q_scale, start_m, n_tile * BLOCK_N, k_base, v_base,
-                ks_base, vs_base, ds_row, mask_base, cs_base, code, Lq, Lkv, qk_scale,
-                thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
-                QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL, HAS_DS,
-                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION,
+                k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code, Lq, Lkv,
+                qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn,
+                scsc, QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL,
+                HAS_DS, K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     if V_SCALE == VS_CHANNEL:

@@ -37,6 +37,8 @@ class AttentionConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    """K/V tiles through TMA descriptors (Hopper; only where the operands are aligned)."""
 
 
 @dataclass(frozen=True)
@@ -51,18 +53,22 @@ _PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", 
 _DIMS = (32, 64, 128, 256)
 
 # Defaults per operand width (bytes of the dot operands) × padded head dim × arch.
-# sm90: the largest tiles whose sm_90a build spills (almost) no registers with pointer loads
-# (ptxas -v), checked by the D=128 sweep of benchmarks/kernel_check.py on the H100
-# (triton 3.6: 128×64, 8 warps, 3 stages fastest or tied for flash, sage2_8b, fp8);
-# 256-wide heads need 8 warps on a 64-row tile.
+# sm90, from benchmarks/sweep.py on the H100 (triton 3.6, B=4, H=32, N=8192, kernel alone):
+# at D=128, 128×128 tiles with TMA loads, 8 warps, 2 stages are fastest or tied for every
+# preset (int_flash 511 vs 450 TOPS with 128×64 pointer loads, fp8 522 vs 466, sage2_4b 345 vs
+# 271, sage2_8b and flash tied); at D=64 the 128×64 pointer-load tiles stay (flash 397 vs
+# 309 with 128×128). 256-wide heads need 8 warps on a 64-row tile. Warp specialization is
+# not used: Triton 3.6 miscompiles our loop with it (benchmarks/NOTES.md).
+_SM90_D128 = AttentionConfig(128, 128, 8, 2, tma=True)
+_SM90_SMALL = AttentionConfig(128, 64, 8, 3)
 _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
-    ("8bit", 32, "sm90"): AttentionConfig(128, 64, 8, 3),
-    ("8bit", 64, "sm90"): AttentionConfig(128, 64, 8, 3),
-    ("8bit", 128, "sm90"): AttentionConfig(128, 64, 8, 3),
+    ("8bit", 32, "sm90"): _SM90_SMALL,
+    ("8bit", 64, "sm90"): _SM90_SMALL,
+    ("8bit", 128, "sm90"): _SM90_D128,
     ("8bit", 256, "sm90"): AttentionConfig(64, 32, 8, 2),
     ("16bit", 32, "sm90"): AttentionConfig(128, 64, 4, 3),
     ("16bit", 64, "sm90"): AttentionConfig(128, 64, 4, 3),
-    ("16bit", 128, "sm90"): AttentionConfig(128, 64, 8, 3),
+    ("16bit", 128, "sm90"): _SM90_D128,
     ("16bit", 256, "sm90"): AttentionConfig(64, 32, 8, 2),
     ("32bit", 32, "sm90"): AttentionConfig(64, 32, 4, 2),
     ("32bit", 64, "sm90"): AttentionConfig(64, 32, 4, 2),
@@ -83,11 +89,8 @@ _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
     ("32bit", 256, "sm80"): AttentionConfig(32, 32, 4, 1),
 }
 
-# Measured per-preset winners that differ from their family default (H100, triton 3.6,
-# B=4, H=32, N=4096, D=128 sweep): int_flash 474 TOPS at 128×128/8/2 vs 438 at 128×64/8/3.
-_MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
-    ("int_flash", 128, "sm90"): AttentionConfig(128, 128, 8, 2),
-}
+# Measured per-preset winners that differ from their family default (none at present).
+_MEASURED: dict[tuple[str, int, str], AttentionConfig] = {}
 
 
 def _family(preset: str, dtype: torch.dtype) -> str:

@@ -30,7 +30,7 @@ from .heuristics import (
     qk_block_dim,
 )
 from .mask import MaskPlan, plan_mask
-from .primitives import interpreted, launcher
+from .primitives import ensure_tma_allocator, interpreted, launcher, tma_compatible
 from .quantize import (
     Quantized,
     delta_s,
@@ -107,11 +107,12 @@ def _prepare_flash(q, k, v, opts, qk_mul, static) -> Operands:
 
 
 def _prepare_int_flash(q, k, v, opts, qk_mul, static) -> Operands:
-    """INT-FlashAttention: Q, K INT8 per token; P = round(127·P); V INT8 per tensor/block."""
+    """INT-FlashAttention: K optionally smoothed (``smooth_k``), Q, K INT8 per token;
+    P = round(127·P); V INT8 per tensor/block."""
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes("token", lq, lkv)
     qq = quantize_int(q, gq, 8, scale_mul=qk_mul)
-    kq = quantize_int(k, gk, 8)
+    kq = quantize_int(k, gk, 8, mean=smooth_mean(k) if opts.smooth_k else None)
     vq = quantize_int(v, group_sizes(opts.v_granularity, lq, lkv)[1], 8, transpose=True)
     ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8))
     return _with_v(_with_q(ops, qq, kq), vq)
@@ -131,22 +132,27 @@ def _prepare_fmha_int8(q, k, v, opts, qk_mul, static) -> Operands:
 
 
 def _prepare_sage2(q, k, v, opts, qk_mul, static, num_bits: int) -> Operands:
-    """SageAttention2: smoothed INT8/INT4 Q, K (ΔS added back), FP8 P, FP8 per-channel V."""
+    """SageAttention2: smoothed INT8/INT4 Q, K (ΔS added back); ``pv: fp8``: FP8 P and FP8
+    per-channel V (optionally smoothed), ``pv: fp16``: P and V in the input dtype."""
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes(opts.qk_granularity, lq, lkv)
     k_mean = smooth_mean(k) if opts.smooth_k else None
     q_mean = smooth_mean(q, SMOOTH_Q_BLOCK) if opts.smooth_q else None
     qq = quantize_int(q, gq, num_bits, scale_mul=qk_mul, mean=q_mean, mean_group=SMOOTH_Q_BLOCK)
     kq = quantize_int(k, gk, num_bits, mean=k_mean)
-    vq = quantize_fp8_per_channel(v, smooth=opts.smooth_v)
     qk_fmt = ak.QK_INT8 if num_bits == 8 else ak.QK_INT4
     # Packed INT4 bytes are read as int8 so that arithmetic shifts sign-extend the nibbles.
     q_data, k_data = qq.data.view(torch.int8), kq.data.view(torch.int8)
-    ops = Operands(q_data, k_data, vq.data, _switches(qk_fmt, ak.P_FP8, ak.V_FP8))
+    if opts.pv == "fp16":
+        ops = Operands(q_data, k_data, v, _switches(qk_fmt, ak.P_NATIVE, ak.V_NATIVE))
+    else:
+        vq = quantize_fp8_per_channel(v, smooth=opts.smooth_v)
+        ops = Operands(q_data, k_data, vq.data, _switches(qk_fmt, ak.P_FP8, ak.V_FP8))
+        ops.v_mean = vq.mean
+        _with_v(ops, vq)
     if q_mean is not None:
         ops.delta_s = delta_s(q_mean, k, k_mean, qk_mul)
-    ops.v_mean = vq.mean
-    return _with_v(_with_q(ops, qq, kq), vq)
+    return _with_q(ops, qq, kq)
 
 
 def _prepare_sage2_8b(q, k, v, opts, qk_mul, static) -> Operands:
@@ -258,6 +264,9 @@ def _launch(
         mvals, msum, mtiles, mcount = mask.values, mask.summary, mask.tiles, mask.counts
         m_strides, s_strides = mask.values.stride(), mask.summary.stride()
         t_strides, c_strides = mask.tiles.stride(), mask.counts.stride()
+    use_tma = cfg.tma and tma_compatible(ops.k, ops.v)
+    if use_tma and not exact:
+        ensure_tma_allocator()
     c0, c1, c2, c3 = SAS_POLY
     grid = (-(-lq // cfg.block_m), bsz * hq)
     launcher(ak.attention_kernel, ops.q)[grid](
@@ -271,7 +280,8 @@ def _launch(
         HAS_DS=ops.delta_s is not None, SMOOTH_V=ops.v_mean is not None,
         Q_GROUP=q_group, K_GROUP=k_group, V_GROUP=v_group, DS_GROUP=SMOOTH_Q_BLOCK,
         CS_CHUNK=V_COLSUM_TOKENS,
-        EXACT_FP8=exact, DOT_PRECISION=dot_precision, HEAD_D=dim, HEAD_DV=dv,
+        EXACT_FP8=exact, DOT_PRECISION=dot_precision, USE_TMA=use_tma,
+        HEAD_D=dim, HEAD_DV=dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=qk_block_dim(dim, ops.switches["QK_FMT"] == int(ak.QK_INT4)),
         BLOCK_DV=padded_dim(dv), num_warps=cfg.num_warps, num_stages=cfg.num_stages,

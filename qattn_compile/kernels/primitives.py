@@ -32,6 +32,31 @@ def launcher(kernel, like: torch.Tensor):
     return torch.library.wrap_triton(kernel)
 
 
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address every tensor: contiguous last dim, 16-byte aligned
+    other strides and base (the storage offset; allocations themselves are aligned)."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+        if (t.storage_offset() * size) % 16:
+            return False
+    return True
+
+
+def ensure_tma_allocator() -> None:
+    """Give Triton a global-scratch allocator (device-side TMA descriptors live there) when
+    none is set; an allocator the user already installed is kept."""
+    current = getattr(triton.runtime._allocation, "_allocator", None)
+    if current is not None and type(current.get()).__name__ != "NullAllocator":
+        return
+
+    def allocate(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(allocate)
+
+
 def interpreted(device: torch.device) -> bool:
     """True when kernels on ``device`` run in the Triton interpreter (CPU tensors).
 

@@ -21,12 +21,14 @@ math). How it computes, so that kernel tests know what to compare:
 - Row max ``m`` over visible scores; ``x = S − m``; masked entries get ``x = −inf``, so their
   P is exactly 0 in every format.
 - INT P (``int_flash``/``turbo``: 127, ``fmha_int8``: 255): ``P̂ = clamp(round(qmax·E(x)),
-  0, qmax)`` with round half to even, ``l = ΣP̂`` (float64, exact). FP8 P (``sage2_*``,
-  ``fp8``): ``P̂ = fp8_e4m3(448·exp(x))``, ``l = Σ exp(x)`` (compute dtype). ``flash``:
-  ``P = exp(x)`` cast to V's dtype when that is fp16/bf16, ``l = Σ exp(x)`` before the cast.
+  0, qmax)`` with round half to even, ``l = ΣP̂`` (float64, exact). FP8 P (``sage2_*``
+  with ``pv: fp8``, ``fp8``): ``P̂ = fp8_e4m3(448·exp(x))``, ``l = Σ exp(x)`` (compute
+  dtype). Native P (``flash``, ``sage2_*`` with ``pv: fp16``): ``P = exp(x)`` cast to V's
+  dtype when that is fp16/bf16, ``l = Σ exp(x)`` before the cast; V is not quantized.
 - ``O = (P̂·(V̂·s_v)) / (unit·l)`` with ``unit`` = 448 for FP8 P, else 1; the V scale is per
   tensor, per token group or per channel depending on the preset, and ``V̂·s_v`` is formed
-  in float64 (exact), so this equals ``(P̂·V̂)·s_v/(unit·l)``.
+  in float64 (exact), so this equals ``(P̂·V̂)·s_v/(unit·l)``. Native P·V runs in the
+  compute dtype.
 
 Choices where :mod:`qattn_compile.presets` leaves room (kept in sync with the report):
 
@@ -40,6 +42,8 @@ Choices where :mod:`qattn_compile.presets` leaves room (kept in sync with the re
   ``static_scales`` (per-head α filled in per site from the calibration file, which is how
   the graph op receives them); dynamic ``α_o`` is ``amax(O)`` per (batch, query head).
 - SageAttention2's ``ΔS`` uses the smoothed, *unquantized* K in ``compute_dtype``.
+- K smoothing (``sage2_*`` and ``int_flash`` with ``smooth_k``) is
+  :func:`.smooth.smooth_k` in ``compute_dtype``, before quantization.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ _ROW_ALIGN = SMOOTH_Q_BLOCK
 _COMPUTE_DTYPES = (torch.float32, torch.float64)
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FP8_P_UNIT = quant.FP8_E4M3_MAX
+_SAGE2 = ("sage2_8b", "sage2_4b")
+_SMOOTH_K_PRESETS = ("int_flash", *_SAGE2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +238,7 @@ def _qk_plan(preset: str, opts: PresetOptions, lq: int, lkv: int) -> tuple[str, 
         return ("int8", *group_sizes("token", lq, lkv))
     if preset == "fmha_int8":
         return ("int8", *group_sizes("tensor", lq, lkv))
-    if preset in ("sage2_8b", "sage2_4b"):
+    if preset in _SAGE2:
         fmt = "int8" if preset == "sage2_8b" else "int4"
         return (fmt, *group_sizes(opts.qk_granularity, lq, lkv))
     if preset == "turbo":
@@ -250,26 +256,31 @@ def _prepare_qk(q, k, preset, opts, compute_dtype, static_scales):
     if preset == "flash":
         return qc, None, kc, None, None
     delta = None
-    if preset in ("sage2_8b", "sage2_4b"):
-        if opts.smooth_k:
-            kc, _ = smooth.smooth_k(kc)
-        if opts.smooth_q:
-            qc, q_mean = smooth.smooth_q(qc)
-            delta = smooth.delta_s(q_mean, kc)
+    if preset in _SMOOTH_K_PRESETS and opts.smooth_k:
+        kc, _ = smooth.smooth_k(kc)
+    if preset in _SAGE2 and opts.smooth_q:
+        qc, q_mean = smooth.smooth_q(qc)
+        delta = smooth.delta_s(q_mean, kc)
     fmt, q_group, k_group = _qk_plan(preset, opts, q.shape[2], k.shape[2])
     q_vals, q_scale = _quantize_values(qc, q_group, fmt, _static_amax(static_scales, "q"))
     k_vals, k_scale = _quantize_values(kc, k_group, fmt, _static_amax(static_scales, "k"))
     return q_vals, q_scale, k_vals, k_scale, delta
 
 
+def _native_pv(preset: str, opts: PresetOptions) -> bool:
+    """Whether P·V runs on the unquantized V in its own dtype (``flash``; SageAttention2
+    with ``pv: fp16``)."""
+    return preset == "flash" or (preset in _SAGE2 and opts.pv == "fp16")
+
+
 def _prepare_v(v, preset, opts, compute_dtype, static_scales) -> tuple[Tensor, Tensor | None]:
-    """Dequantized V ``[B, Hkv, Lkv, Dv]`` (float64, or compute dtype for ``flash``) and the
-    smoothing mean ``[B, Hkv, 1, Dv]`` (or None)."""
+    """Dequantized V ``[B, Hkv, Lkv, Dv]`` (float64, or compute dtype for a native P·V) and
+    the smoothing mean ``[B, Hkv, 1, Dv]`` (or None)."""
     vc = v.to(compute_dtype)
     lkv = v.shape[2]
-    if preset == "flash":
+    if _native_pv(preset, opts):
         return vc, None
-    if preset in ("sage2_8b", "sage2_4b"):
+    if preset in _SAGE2:
         mean = None
         if opts.smooth_v:
             vc, mean = smooth.smooth_v(vc)
@@ -362,13 +373,13 @@ def _shifted(scores: Tensor, tau: float, bias: Tensor | None) -> tuple[Tensor, T
 def _probabilities(x: Tensor, preset: str, opts, p_dtype) -> tuple[Tensor, Tensor, float]:
     """P from ``x = S − m`` per the preset: (P values, row sum ``l`` ``[..., 1]``, unit).
 
-    The output is ``(P @ V̂s) / (unit · l)``; P is float64 for quantized presets.
+    The output is ``(P @ V̂s) / (unit · l)``; P is float64 for quantized P formats.
     """
-    if preset == "flash":
+    if _native_pv(preset, opts):
         e = torch.exp(x)
         p = e.to(p_dtype).to(x.dtype) if p_dtype in (torch.float16, torch.bfloat16) else e
         return p, e.sum(dim=-1, keepdim=True), 1.0
-    if preset in ("sage2_8b", "sage2_4b", "fp8"):
+    if preset in (*_SAGE2, "fp8"):
         e = torch.exp(x)
         p = quant.fp8_e4m3_values(_FP8_P_UNIT * e)
         return p.to(torch.float64), e.sum(dim=-1, keepdim=True), _FP8_P_UNIT
@@ -543,9 +554,10 @@ class ProbParts(NamedTuple):
     """A preset's softmax output: ``O = (p @ V̂s) / (unit · l)``.
 
     ``p``: ``[B, Hq, Lq, Lkv]`` the P entering the PV GEMM (INT presets: integers in
-    [0, 127] or [0, 255]; FP8 presets: e4m3 values of ``448·P̃``; flash: P̃ in V's dtype),
-    float64 (compute dtype for flash). ``l``: ``[B, Hq, Lq, 1]`` row sums (0 for fully
-    masked rows). ``unit``: 448 for FP8 P, else 1.
+    [0, 127] or [0, 255]; FP8 P: e4m3 values of ``448·P̃``; native P — flash, sage2 with
+    ``pv: fp16`` — P̃ rounded to ``p_dtype``), float64 (compute dtype for native P).
+    ``l``: ``[B, Hq, Lq, 1]`` row sums (0 for fully masked rows). ``unit``: 448 for FP8 P,
+    else 1.
     """
 
     p: Tensor
@@ -568,7 +580,8 @@ def quantized_probs(
 ) -> ProbParts:
     """The P and l of ``preset`` exactly as :func:`reference_attention` computes them.
 
-    ``p_dtype``: the V dtype the ``flash`` P is rounded to (fp16/bf16 round, others not).
+    ``p_dtype``: the V dtype a native P (``flash``, sage2 ``pv: fp16``) is rounded to
+    (fp16/bf16 round, others not).
     Whole rows at once (no chunking): meant for tests and small shapes.
     """
     opts, statics, tau = _setup(q, k, None, preset, options, compute_dtype, static_scales, scale)

@@ -1,4 +1,5 @@
-"""SageAttention2's smoothing of Q, K and V, in plain PyTorch.
+"""SageAttention2's smoothing of Q, K and V, in plain PyTorch (K smoothing also serves
+``int_flash`` with ``smooth_k``).
 
 All functions work per (batch, head) on ``[B, H, L, D]`` tensors and compute in the dtype
 they are given (the reference passes its compute dtype, float32 or float64).
