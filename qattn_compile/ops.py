@@ -93,15 +93,15 @@ def graph_ops() -> tuple:
     return tuple(found)
 
 
-def graph_op(device: torch.device | str, bool_mask: bool):
+def graph_op(device: torch.device | str):
     """The op overload the rewrite inserts for a site on ``device``.
 
-    CUDA sites get the inlinable ``attention_triton``, except sites with a bool mask tensor,
-    which keep the opaque custom op for now: the mask planner reinterprets bool masks as
-    uint8 (``Tensor.view(dtype)``), which Inductor cannot lower for bool (seen on the H100,
-    torch 2.11; benchmarks/NOTES.md). Additive masks and ``is_causal`` are inlined.
+    Every CUDA site (any mask: none, bool, additive; ``is_causal`` or not) gets the
+    inlinable ``attention_triton``: its body (quantizers, mask planner, kernels) is torch ops
+    that Inductor lowers plus Triton launches that it inlines. Other devices get the custom
+    op, which runs the reference implementation.
     """
-    if execution_path(device) == "triton" and not bool_mask:
+    if execution_path(device) == "triton":
         return torch.ops.qattn.attention_triton.default
     return torch.ops.qattn.attention.default
 

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REWRITTEN = "rewritten"
+CAUSAL_MASK_NOTE = "causal mask proven from arange indices → is_causal"
+"""What reports say of a site whose causal mask the rewrite replaced by ``is_causal``."""
 LEFT_ALONE = "left_alone"  # the policy chose `none` or an ignore pattern matched
 FALLBACK = "fallback"  # the policy chose a preset but the site cannot be served
 
@@ -33,6 +35,7 @@ class SiteReport:
     graph_index: int = 0
     causal_fast_path: bool = False  # the mask provably hides every key after its query
     gqa_source: str | None = None  # how K/V head sharing was found: repeat_kv, enable_gqa, ...
+    causal_from_mask: bool = False  # the mask's causal part was proven and served as is_causal
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,12 +8,15 @@ correct shapes):
 2. Kᵀ transposed back when the chain held the key only transposed;
 3. the mask: keep terms ANDed (``masked_fill`` masks negated: True = attend), additive
    terms summed (each times the scale factors applied after it), and both together as
-   ``where(keep, additive, -inf)``;
+   ``where(keep, additive, -inf)``. A causal comparison proven from ``arange`` indices
+   (:func:`~qattn_compile.patterns.masks.split_causal`) is left out of the keep terms and
+   passed as ``is_causal=True`` instead, so a materialized causal mask costs nothing;
 4. a leading batch dim of 1 around rank-3 (``[B·H, L, D]``) sites;
 5. the op, then a cast when the site's output dtype differs from q's;
 
 then points every user of the site's output at the new value and erases the matched nodes
-that no longer have users (softmax chain, transposes, ``repeat_kv``).
+that no longer have users (softmax chain, transposes, ``repeat_kv``), and the mask-building
+nodes left without users (a causal mask replaced by ``is_causal``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 import logging
 import math
 import operator
+import re
 
 import torch
 from torch import fx
@@ -30,6 +34,7 @@ from . import ops
 from .errors import UnsupportedSiteError
 from .evaluation.calibrate import options_for_site
 from .patterns import AttentionSite, find_attention_sites
+from .patterns.masks import MaskSpec, split_causal
 from .patterns.nodes import example_value, shape_of, tensor_value
 from .policy import Decision, Policy
 from .report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
@@ -37,11 +42,6 @@ from .report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
 log = logging.getLogger("qattn_compile.rewrite")
 
 _PROVENANCE = ("nn_module_stack", "stack_trace")
-
-
-def _is_bool(node: fx.Node | None) -> bool:
-    val = tensor_value(node) if node is not None else None
-    return val is not None and val.dtype == torch.bool
 
 
 def _site_dtype_device(site: AttentionSite):
@@ -102,14 +102,14 @@ def _scaled(emit: _Emitter, node: fx.Node, factors) -> fx.Node:
     return node
 
 
-def _build_mask(emit: _Emitter, site: AttentionSite) -> fx.Node | None:
-    """The op's one mask from the site's mask terms (see the module docstring)."""
+def _build_mask(emit: _Emitter, spec: MaskSpec) -> fx.Node | None:
+    """The op's one mask from the mask terms ``spec`` (see the module docstring)."""
     keep = None
-    for term in site.mask.keep:
+    for term in spec.keep:
         node = emit(torch.logical_not, term.node) if term.negate else term.node
         keep = node if keep is None else emit(torch.logical_and, keep, node)
     additive = None
-    for term in site.mask.additive:
+    for term in spec.additive:
         node = _scaled(emit, term.node, term.factors)
         additive = node if additive is None else emit(operator.add, additive, node)
     if keep is None or additive is None:
@@ -128,6 +128,43 @@ def _cast_like(emit: _Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
     if have is None or want is None or have.dtype == want.dtype:
         return node
     return emit("to", node, want.dtype, method=True)
+
+
+_AUGMENTED = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+              "matmul")
+_OPERATOR_IN_PLACE = frozenset(getattr(operator, f"i{op}") for op in _AUGMENTED)
+_IN_PLACE_NAME = re.compile(rf"^(?!__)\w+_$|^__i({'|'.join(_AUGMENTED)})__$")
+"""Names of in-place tensor ops: ``masked_fill_``, ``__iand__``."""
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` is an in-place op (``masked_fill_``, ``x &= m``), which a graph may
+    leave unused while later nodes read the tensor it changed."""
+    if node.op == "call_method":
+        return bool(_IN_PLACE_NAME.match(node.target))
+    if node.target in _OPERATOR_IN_PLACE:
+        return True
+    name = getattr(node.target, "__name__", "")
+    return getattr(node.target, "__module__", "") != operator.and_.__module__ and bool(_IN_PLACE_NAME.match(name))
+
+
+def _is_pure(node: fx.Node) -> bool:
+    """Whether erasing ``node`` once unused changes nothing else: a call that neither mutates
+    its inputs nor has side effects."""
+    return node.op in ("call_function", "call_method") and not node.is_impure() and not _mutates(node)
+
+
+def _erase_dead_inputs(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase the pure nodes of ``nodes`` that have no users, then their inputs left without
+    users, transitively (a mask the op no longer reads, down to its ``arange``)."""
+    pending, erased = list(nodes), set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.users or not _is_pure(node):
+            continue
+        pending += node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
 
 
 def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
@@ -149,14 +186,15 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
     q, k, v = _build_query(emit, site), site.k, site.v
     if site.k_transposed:
         k = emit("transpose", k, -2, -1, method=True)
-    mask = _build_mask(emit, site)
+    spec, causal_from_mask = split_causal(site.mask)
+    mask = _build_mask(emit, spec)
     rank3 = len(shape_of(site.q)) == 3
     if rank3:
         q, k, v = (emit("unsqueeze", t, 0, method=True) for t in (q, k, v))
     _, device = _site_dtype_device(site)
-    out = emit(
-        ops.graph_op(device, _is_bool(mask)), q, k, v, mask, site.is_causal, site.scale, preset, decision.options.to_json()
-    )
+    is_causal = site.is_causal or causal_from_mask
+    out = emit(ops.graph_op(device), q, k, v, mask, is_causal, site.scale, preset, decision.options.to_json())
+    report.causal_from_mask = causal_from_mask
     out.meta["qattn"] = {
         "fqn": site.fqn,
         "rule": report.rule,
@@ -164,11 +202,13 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
         "preset": preset,
         "mask_kind": site.mask_kind,
         "causal_fast_path": site.causal_fast_path,
+        "causal_from_mask": causal_from_mask,
     }
     if rank3:
         out = emit("squeeze", out, 0, method=True)
     site.anchor.replace_all_uses_with(_cast_like(emit, out, site.anchor))
     _erase_unused(gm.graph, site.chain)
+    _erase_dead_inputs(gm.graph, site.mask.nodes())
 
 
 def rewrite_attention(gm: fx.GraphModule, policy: Policy, graph_index: int = 0) -> list[SiteReport]:

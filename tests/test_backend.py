@@ -160,10 +160,24 @@ def test_inductor_compiles_rewritten_graph(make_bundle):
 
 
 def test_graph_op_choice():
-    """CPU sites and CUDA sites with a bool mask get the custom op; the rest the triton_op."""
+    """CPU sites get the custom op (the reference); CUDA sites, bool masks included, the triton_op."""
     from qattn_compile import ops
 
-    assert ops.graph_op("cpu", bool_mask=False) is torch.ops.qattn.attention.default
-    assert ops.graph_op("cuda", bool_mask=True) is torch.ops.qattn.attention.default
+    assert ops.graph_op("cpu") is torch.ops.qattn.attention.default
     if torch.cuda.is_available():
-        assert ops.graph_op("cuda", bool_mask=False) is torch.ops.qattn.attention_triton.default
+        assert ops.graph_op("cuda") is torch.ops.qattn.attention_triton.default
+
+
+def test_tiny_llama_causal_mask_is_served_as_is_causal():
+    """transformers' materialized causal+padding mask: the report says its causal part became
+    ``is_causal`` (the explain table too), and the output is still exact."""
+    from qattn_compile.debug.table import site_row
+
+    bundle = tiny_llama()
+    reference = bundle.run()
+    be, out = _compile_run(bundle, policy={"qattn": 1, "default": "flash"}, compiler="eager")
+    assert [(r.mask_kind, r.causal_fast_path, r.causal_from_mask) for r in be.site_reports] == [
+        ("causal+padding", True, True)
+    ] * 2
+    assert all("causal+padding (→ is_causal)" in site_row(r) for r in be.site_reports)
+    assert compare(out, reference)["cos"] > COS_FLOOR["flash"]

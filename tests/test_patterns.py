@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qattn_compile import _compat, ops
+from qattn_compile.models import tiny_llama
 from qattn_compile.patterns import find_attention_sites
+from qattn_compile.patterns.nodes import tensor_value
 from qattn_compile.patterns.site import clean_fqn
 from qattn_compile.policy import load_policy
 from qattn_compile.report import FALLBACK, LEFT_ALONE, REWRITTEN, count_by_pattern
@@ -565,3 +567,142 @@ def test_dynamic_shapes_rewrite_once_and_serve_every_length():
             torch.testing.assert_close(compiled(*inputs), module(*inputs), **EXACT)
     assert len(rec.graphs) == 1
     assert [r.status for r in rec.reports] == [REWRITTEN] * 3
+
+
+# ----------------------------------------------------------------------------------------
+# causal masks proven from arange indices become is_causal
+# ----------------------------------------------------------------------------------------
+
+
+def _op_nodes(rec: Recorder) -> list:
+    return [n for gm in rec.graphs for n in gm.graph.nodes if _is_qattn(n)]
+
+
+def _op_mask_and_causal(op) -> tuple:
+    """(mask node or None, is_causal) the rewrite passed the op."""
+    return op.args[3], op.args[4]
+
+
+def _run_bundle(bundle, rec: Recorder):
+    """(eager output, compiled output) of a zoo bundle through ``rec``."""
+    compiled = torch.compile(bundle.model, backend=rec, fullgraph=True)
+    return bundle.run(), bundle.run(compiled)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones attention_mask", "padded"])
+def test_transformers_causal_mask_becomes_is_causal(padded):
+    """The tiny Llama's materialized ``[B, 1, L, L]`` mask: its causal part is served as
+    ``is_causal`` and only the padding term ``[B, 1, 1, L]`` (data, even when all ones) is
+    left; the ``[B, 1, L, L]`` mask is no longer built."""
+    bundle = tiny_llama()
+    if not padded:
+        bundle.kwargs["attention_mask"] = torch.ones_like(bundle.kwargs["attention_mask"])
+    rec = Recorder()
+    expected, got = _run_bundle(bundle, rec)
+    assert [(r.status, r.mask_kind, r.causal_from_mask) for r in rec.reports] == [
+        (REWRITTEN, "causal+padding", True)
+    ] * 2
+    op_nodes = _op_nodes(rec)
+    assert len(op_nodes) == 2 and all(op.meta["qattn"]["causal_from_mask"] for op in op_nodes)
+    for mask, is_causal in map(_op_mask_and_causal, op_nodes):
+        assert is_causal is True
+        assert (mask.meta["example_value"].dtype, tuple(mask.meta["example_value"].shape)) == (torch.bool, (2, 1, 1, 24))
+    assert rec.count(_is_square_bool_mask) == 0
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def _is_square_bool_mask(node) -> bool:
+    """Whether ``node`` computes a bool ``[..., 24, 24]`` tensor (the tiny Llama's full mask)."""
+    val = tensor_value(node)
+    return val is not None and val.dtype == torch.bool and tuple(val.shape[-2:]) == (24, 24)
+
+
+class TransformersCausalMask(nn.Module):
+    """SDPA with a causal mask built by transformers' own ``sdpa_mask`` (no padding)."""
+
+    def __init__(self, q_offset: int = 0, kv_offset: int = 0):
+        super().__init__()
+        self.q_offset, self.kv_offset = q_offset, kv_offset
+
+    def forward(self, q, k, v, keep, bias):
+        from transformers.masking_utils import sdpa_mask
+
+        mask = sdpa_mask(
+            batch_size=q.shape[0], q_length=q.shape[-2], kv_length=k.shape[-2], q_offset=self.q_offset,
+            kv_offset=self.kv_offset, allow_is_causal_skip=False,
+        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class HandBuiltCausal(nn.Module):
+    """SDPA with ``kv_pos <= q_pos`` AND a padding term, positions from ``positions``:
+    ``arange`` (+ shifts), ``gathered`` (transformers' ``position_ids[batch_idx, idx]`` with
+    ``arange`` position ids) or ``user`` (a run-time tensor: nothing says it is 0, 1, 2, ...)."""
+
+    def __init__(self, positions: str = "arange", q_shift: int = 0, kv_shift: int = 0):
+        super().__init__()
+        self.positions, self.q_shift, self.kv_shift = positions, q_shift, kv_shift
+
+    def forward(self, q, k, v, keep, bias):
+        q_pos, kv_pos = torch.arange(L) + self.q_shift, torch.arange(L) + self.kv_shift
+        if self.positions == "user":
+            q_pos = kv_pos = bias[0, 0, 0].argsort()
+        if self.positions == "gathered":  # the shifts move the position ids, not the indices
+            table, batch, idx = torch.arange(L).unsqueeze(0).repeat(B, 1), torch.arange(B), torch.arange(L)
+            q_pos = (table + self.q_shift)[batch[:, None, None, None], idx[None, None, :, None]]
+            kv_pos = (table + self.kv_shift)[batch[:, None, None, None], idx[None, None, None, :]]
+        else:
+            q_pos, kv_pos = q_pos[None, None, :, None], kv_pos[None, None, None, :]
+        mask = (kv_pos <= q_pos) & keep[:, :, :1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(B, 1, L, L))
+
+
+def test_causal_only_mask_becomes_is_causal_without_mask():
+    expected, got, rec = run_compiled(TransformersCausalMask(), *attention_inputs())
+    (op,) = _op_nodes(rec)
+    assert _op_mask_and_causal(op) == (None, True)
+    (report,) = rec.reports
+    assert (report.mask_kind, report.causal_fast_path, report.causal_from_mask) == ("causal", True, True)
+    assert rec.count(lambda n: n.target in (operator.le, operator.and_, "expand")) == 0  # the mask is erased
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+@pytest.mark.parametrize(
+    "module", [HandBuiltCausal(q_shift=5, kv_shift=5), HandBuiltCausal("gathered")], ids=["offsets 5, 5", "gathered"]
+)
+def test_proven_causal_comparison_leaves_the_padding_term(module):
+    expected, got, rec = run_compiled(module, *attention_inputs())
+    mask, is_causal = _op_mask_and_causal(_op_nodes(rec)[0])
+    assert is_causal is True and tuple(mask.meta["example_value"].shape) == (B, 1, 1, L)
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        HandBuiltCausal("user"),
+        HandBuiltCausal(q_shift=1),
+        HandBuiltCausal("gathered", kv_shift=1),
+        TransformersCausalMask(q_offset=1),
+    ],
+    ids=["position tensor", "arange+1 vs arange", "gathered arange+1", "sdpa_mask q_offset=1"],
+)
+def test_unproven_causal_comparison_keeps_the_full_mask(module):
+    expected, got, rec = run_compiled(module, *attention_inputs())
+    (op,) = _op_nodes(rec)
+    mask, is_causal = _op_mask_and_causal(op)
+    assert is_causal is False and tuple(mask.meta["example_value"].shape)[-2:] == (L, L)
+    (report,) = rec.reports
+    assert not report.causal_fast_path and not report.causal_from_mask and "causal" not in report.mask_kind
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_additive_causal_mask_is_not_split():
+    """An eager (additive ``where(mask, 0, finfo.min)``) causal mask keeps its exact values."""
+    from qattn_compile.zoo import ZOO
+
+    rec = Recorder()
+    expected, got = _run_bundle(ZOO["llama"].build("eager"), rec)
+    assert all(r.causal_fast_path and not r.causal_from_mask for r in rec.reports)
+    assert all(_op_mask_and_causal(op)[1] is False for op in _op_nodes(rec))
+    torch.testing.assert_close(got, expected, **EXACT)

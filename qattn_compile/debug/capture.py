@@ -19,7 +19,7 @@ from .. import _compat
 from ..errors import QattnError
 from ..patterns import find_attention_sites
 from ..policy import DEFAULT_POLICY_PATH, Policy, load_policy
-from ..report import REWRITTEN, SiteReport
+from ..report import CAUSAL_MASK_NOTE, REWRITTEN, SiteReport
 from ..rewrite import rewrite_attention
 from .trace import emit_site_report
 
@@ -82,13 +82,18 @@ def provenance_comment(node: fx.Node) -> str:
 
 def readable_code(gm: fx.GraphModule) -> str:
     """The graph as Python with shapes and source comments, without the ``x = None`` clean-ups,
-    and with a provenance comment ending the line of every node the rewrite created."""
+    and with a provenance comment ending the line of every node the rewrite created (and,
+    above an op whose causal mask became ``is_causal``, a comment line saying so)."""
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     lines = [_DEALLOC.sub("", line) for line in code.splitlines()]
     for node in _qattn_nodes(gm):
         i = node_line(lines, node.name)
-        if i is not None:
-            lines[i] += "  " + provenance_comment(node)
+        if i is None:
+            continue
+        lines[i] += "  " + provenance_comment(node)
+        if node.meta["qattn"].get("causal_from_mask"):
+            indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            lines.insert(i, f"{indent}# qattn: {CAUSAL_MASK_NOTE}")
     return "\n".join(lines)
 
 

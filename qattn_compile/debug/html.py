@@ -16,9 +16,9 @@ from pathlib import Path
 
 import jinja2
 
-from ..report import count_by_status
+from ..report import CAUSAL_MASK_NOTE, count_by_status
 from .capture import Capture, CapturedGraph, CapturedSite, node_line
-from .table import format_shapes, outcome
+from .table import format_shapes, mask_cell, outcome
 
 CONTEXT = 4
 """Unchanged lines shown around a change or a site before the rest is folded."""
@@ -47,6 +47,10 @@ class SiteView:
     def source_label(self) -> str:
         """``file.py:line`` (the full path is the link's title)."""
         return Path(self.report.source or "").name
+
+    @property
+    def mask(self) -> str:
+        return mask_cell(self.report)
 
     @property
     def outcome(self) -> str:
@@ -173,6 +177,7 @@ def render_html(capture: Capture, title: str) -> str:
         graphs=graphs,
         sites=[s for g in graphs for s in g.sites],
         unmatched=capture.unmatched_rules(),
+        causal_note=CAUSAL_MASK_NOTE,
     )
 
 
@@ -232,7 +237,7 @@ TEMPLATE = r"""<!DOCTYPE html>
 {% for s in sites %}<tr>
 <td class="wrap"><a href="#{{ s.anchor }}"><code>{{ s.report.fqn or "(top level)" }}</code></a></td>
 <td class="nowrap">{{ s.report.module_class or "-" }}</td><td class="nowrap">{{ s.report.pattern }}</td>
-<td class="shapes"><code>{{ s.shapes }}</code></td><td class="nowrap">{{ s.report.mask_kind }}</td>
+<td class="shapes"><code>{{ s.shapes }}</code></td><td class="nowrap"{% if s.report.causal_from_mask %} title="{{ causal_note }}"{% endif %}>{{ s.mask }}</td>
 <td class="nowrap">{{ s.report.gqa_group if s.report.gqa_group is not none else "-" }}</td>
 <td class="code-wrap"><code>{{ s.report.rule }}</code></td><td class="nowrap">{{ s.report.preset }}</td>
 <td class="nowrap status-{{ s.report.status }}">{{ s.report.status }}</td><td>{{ s.outcome }}</td>
@@ -264,7 +269,8 @@ TEMPLATE = r"""<!DOCTYPE html>
 <tr class="site" id="{{ s.anchor }}"><td colspan="4">
 <strong>{{ s.report.fqn or "(top level)" }}</strong> ({{ s.report.module_class or "?" }}, {{ s.report.pattern }})
 &middot; <span class="status-{{ s.report.status }}">{{ s.report.status }}</span>
-&middot; {{ s.report.rule }} &rarr; {{ s.report.preset }} &middot; {{ s.outcome }}<br>
+&middot; {{ s.report.rule }} &rarr; {{ s.report.preset }} &middot; {{ s.outcome }}
+{% if s.report.causal_from_mask %}&middot; {{ causal_note }}{% endif %}<br>
 source: {% if s.source_url %}<a href="{{ s.source_url }}" title="{{ s.report.source }}"><code>{{ s.source_label }}</code></a>
 <code>{{ s.source_code }}</code>{% else %}unknown{% endif %}
 </td></tr>

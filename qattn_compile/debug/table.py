@@ -55,6 +55,12 @@ def format_shapes(shapes: dict) -> str:
     return " / ".join("x".join(str(d) for d in shapes.get(n) or ["?"]) for n in ("q", "k", "v"))
 
 
+def mask_cell(report: SiteReport) -> str:
+    """The mask column: the mask's kind, and ``(→ is_causal)`` when the rewrite proved its
+    causal part and served it as ``is_causal`` (:data:`~qattn_compile.report.CAUSAL_MASK_NOTE`)."""
+    return f"{report.mask_kind} (→ is_causal)" if report.causal_from_mask else report.mask_kind
+
+
 def outcome(report: SiteReport) -> str:
     """The last column: the kernel variant, or the status and the reason."""
     if report.status == REWRITTEN:
@@ -69,7 +75,7 @@ def site_row(report: SiteReport) -> tuple[str, ...]:
         report.module_class or "-",
         report.pattern,
         format_shapes(report.shapes),
-        report.mask_kind,
+        mask_cell(report),
         str(report.gqa_group) if report.gqa_group is not None else "-",
         report.rule,
         report.preset,

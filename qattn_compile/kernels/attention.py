@@ -421,6 +421,12 @@ def attention_kernel(
     kv head ``h // hq_per_kv`` (GQA without repeating K/V). ``USE_TMA``: K/V tiles by TMA
     descriptors (Hopper; the launcher checks alignment).
     """
+    # Float scalars as float32: Inductor's launches of this kernel may type Python floats
+    # as fp64, which would turn the scores and the accumulator into fp64.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    thr_log2 = tl.cast(thr_log2, tl.float32)
+    c0, c1 = tl.cast(c0, tl.float32), tl.cast(c1, tl.float32)
+    c2, c3 = tl.cast(c2, tl.float32), tl.cast(c3, tl.float32)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads_q

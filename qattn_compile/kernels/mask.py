@@ -22,6 +22,7 @@ tiles entirely above the diagonal are skipped as well.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,9 @@ class MaskPlan:
     """A mask ready for the kernel.
 
     ``values``: the mask expanded (a view, stride 0 on broadcast dims) to ``[B, Hq, Lq,
-    Lkv]``; bool masks are viewed as uint8. ``summary``: int8 codes expanded to ``[B, Hq,
+    Lkv]``, in its own dtype: a bool mask reaches the kernel as is (Triton loads a bool
+    pointer as bytes and gives ``int1``), so there is no copy and no dtype view (which
+    Inductor cannot lower for bool). ``summary``: int8 codes expanded to ``[B, Hq,
     n_m_tiles, n_n_tiles]``. ``tiles``: int32 ``[B, Hq, n_m_tiles, n_n_tiles]`` (expanded
     likewise), per query tile the key-tile indices that are not skipped, ascending, first;
     ``counts``: int32 ``[B, Hq, n_m_tiles]`` how many. ``is_bool``: bool (keep/drop) or
@@ -58,18 +61,35 @@ def _as_4d(mask: Tensor) -> Tensor:
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
-def _tile_reduce(flags: Tensor, block_m: int, block_n: int, pad_value: bool, reduce: str) -> Tensor:
-    """``any``/``all`` of ``flags`` ``[Bm, Hm, Lm, Ln]`` over tiles of ``block_m × block_n``
-    (``block_m`` is 1 when ``Lm == 1``, a broadcast query axis), padding partial tiles with
-    ``pad_value``. Returns bool ``[Bm, Hm, ceil(Lm / block_m), ceil(Ln / block_n)]``."""
-    bm, hm, lm, ln = flags.shape
-    tile_m = block_m if lm > 1 else 1
-    n_m, n_n = -(-lm // tile_m), -(-ln // block_n)
-    padded = torch.full((bm, hm, n_m * tile_m, n_n * block_n), pad_value, dtype=torch.bool,
-                        device=flags.device)
-    padded[..., :lm, :ln] = flags
-    tiles = padded.reshape(bm, hm, n_m, tile_m, n_n, block_n)
-    return tiles.any(dim=5).any(dim=3) if reduce == "any" else tiles.all(dim=5).all(dim=3)
+def _reduce_blocks(flags: Tensor, dim: int, block: int, reduce: Callable[..., Tensor]) -> Tensor:
+    """``reduce`` (``torch.any``/``torch.all``) of bool ``flags`` over consecutive blocks of
+    ``block`` along ``dim`` (2 or 3 of a 4-D tensor); a last partial block is reduced over
+    what it has (``any``/``all`` of the elements present, the same as padding it with
+    ``False``/``True``). Returns ``flags`` with ``dim`` of size ``ceil(size / block)``.
+
+    Nothing is padded: the whole blocks are a view of ``flags`` (a slice split in two dims)
+    and the partial block a slice.
+    """
+    size = flags.shape[dim]
+    whole = size // block * block
+    parts = []
+    if whole:
+        head = flags.narrow(dim, 0, whole)
+        blocks = head.reshape(*head.shape[:dim], whole // block, block, *head.shape[dim + 1:])
+        parts.append(reduce(blocks, dim=dim + 1))
+    if whole < size:
+        parts.append(reduce(flags.narrow(dim, whole, size - whole), dim=dim, keepdim=True))
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+
+
+def _tile_reduce(flags: Tensor, block_m: int, block_n: int, reduce: Callable[..., Tensor]) -> Tensor:
+    """``reduce`` (``torch.any``/``torch.all``) of bool ``flags`` ``[Bm, Hm, Lm, Ln]`` over
+    tiles of ``block_m × block_n`` (``block_m`` is 1 when ``Lm == 1``, a broadcast query
+    axis); partial tiles reduce over their in-range elements. Returns bool ``[Bm, Hm,
+    ceil(Lm / block_m), ceil(Ln / block_n)]``. The key axis is reduced first, so the
+    second reduction reads a tensor ``block_n`` times smaller."""
+    rows = _reduce_blocks(flags, 3, block_n, reduce)
+    return _reduce_blocks(rows, 2, block_m, reduce) if flags.shape[2] > 1 else rows
 
 
 def tile_summary(mask: Tensor, block_m: int, block_n: int) -> Tensor:
@@ -82,8 +102,8 @@ def tile_summary(mask: Tensor, block_m: int, block_n: int) -> Tensor:
         visible, noop = mask, mask
     else:
         visible, noop = mask != float("-inf"), mask == 0
-    any_visible = _tile_reduce(visible, block_m, block_n, False, "any")
-    all_noop = _tile_reduce(noop, block_m, block_n, True, "all")
+    any_visible = _tile_reduce(visible, block_m, block_n, torch.any)
+    all_noop = _tile_reduce(noop, block_m, block_n, torch.all)
     codes = torch.where(all_noop, TILE_FULL, TILE_MIXED)
     return torch.where(any_visible, codes, TILE_SKIP).to(torch.int8)
 
@@ -123,13 +143,10 @@ def plan_mask(
     live = codes != TILE_SKIP
     tiles = torch.argsort(live.logical_not().to(torch.int8), dim=-1, stable=True)
     counts = live.sum(dim=-1, dtype=torch.int32)
-    is_bool = attn_mask.dtype == torch.bool
-    if is_bool:
-        values = values.view(torch.uint8)
     return MaskPlan(
         values=values,
         summary=codes.expand(bsz, heads, n_m, n_n),
         tiles=tiles.to(torch.int32).expand(bsz, heads, n_m, n_n),
         counts=counts.expand(bsz, heads, n_m),
-        is_bool=is_bool,
+        is_bool=attn_mask.dtype == torch.bool,
     )

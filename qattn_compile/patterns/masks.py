@@ -9,40 +9,53 @@ transformers builds masks under torch.compile (``masking_utils.sdpa_mask``: inde
 ``q_idx [.., Lq, 1]`` and ``kv_idx [.., 1, Lkv]`` compared and ANDed, then ``expand``-ed,
 and for eager attention turned additive by ``torch.where(mask, 0, finfo.min)``):
 
-- ``causal``: ``kv_idx <= q_idx``; ``sliding_window``: ``kv_idx > q_idx - w``;
+- ``causal``: ``kv_idx <= q_idx`` *proven* top-left causal (:func:`proven_causal`: both
+  indices are ``torch.arange`` with equal start offsets, and Lq = Lkv); an unproven one
+  (positions from a user tensor, unequal offsets) is a plain ``bool`` mask;
+- ``sliding_window``: ``kv_idx > q_idx - w``;
 - ``padding``: a mask constant along the query axis (``[B, 1, 1, Lkv]``-shaped);
 - ``packed``: ``seq_id[q_idx] == seq_id[kv_idx]`` (transformers' packed-sequence mask);
 - ``bool`` / ``additive``: anything else (a T5 position bias is ``additive``).
 
 Kinds found together are joined with ``+`` (``causal+padding``); no mask gives ``none``.
 The causal fast path (:func:`causal_fast_path`) holds for ``is_causal=True`` and when a
-causal comparison is ANDed at the top of the mask (for an additive mask: inside its
+proven causal comparison is ANDed at the top of the mask (for an additive mask: inside its
 ``where(m, x, finfo.min)``): every key after its query is then masked (by ``finfo.min`` in
 an additive mask) whatever else the mask says, so a kernel may skip the tiles above the
-diagonal. The finders only claim it when Lq = Lkv, where positions compare as indices do.
-Names are a report, not a rewrite input: the rewrite keeps the mask's exact values.
+diagonal.
+
+Names are a report. The one rewrite input is :func:`split_causal`: a bool keep term whose
+AND tree holds a proven causal comparison loses it (the rewrite passes ``is_causal=True``
+instead) and keeps its other leaves, so transformers' materialized ``[B, 1, L, L]`` causal
+mask becomes ``is_causal`` plus, at most, its ``[B, 1, 1, L]`` padding term. Additive masks
+are never split: their masked entries are ``finfo.min``, not ``-inf``, which differs from
+``is_causal`` on fully masked rows.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import fx
 
+from .._compat import statically_known_true
 from .nodes import (
     ADD,
     AND,
     CAST,
     EXPAND,
+    GETITEM,
     RESHAPE,
+    UNSQUEEZE,
     WHERE,
     Op,
     constant,
     is_minus_inf_like,
     is_one,
     same_shape,
+    same_size,
     shape_of,
     tensor_value,
 )
@@ -56,6 +69,9 @@ _GT, _LT = Op((operator.gt, torch.gt), ("gt", "__gt__")), Op((operator.lt, torch
 _EQ = Op((operator.eq, torch.eq), ("eq", "__eq__"))
 _SUB = Op((operator.sub, torch.sub), ("sub", "__sub__"))
 _ONES = Op((torch.ones, torch.ones_like), ("new_ones",))
+_ARANGE = Op((torch.arange,))
+_REPEAT = Op((), ("repeat",))
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -106,14 +122,154 @@ def _is_index(node) -> bool:
     return val is not None and not val.is_floating_point() and val.dtype != torch.bool
 
 
+@dataclass(frozen=True)
+class _Arange:
+    """An index tensor proven to hold ``offset + i`` at position ``i`` of dim ``dim``
+    (negative: counted from the last dim) and to be constant along every other dim."""
+
+    offset: int
+    dim: int
+
+
+def _int_constant(value) -> int | None:
+    """``value`` as an int when it is a compile-time integer (a Python int, or a 0-d
+    ``torch.tensor``/``torch.full`` node of one), else ``None``."""
+    if isinstance(value, fx.Node) and shape_of(value) != ():
+        return None
+    number = constant(value)
+    return int(number) if number is not None and number == int(number) else None
+
+
+def _vector_dim(node) -> int | None:
+    """The one dim of ``node``'s tensor that is not provably 1, counted from the last dim
+    (``-2`` for ``[1, 1, L, 1]``); ``None`` when there is not exactly one."""
+    shape = shape_of(node)
+    wide = [i - len(shape) for i, size in enumerate(shape or ()) if not is_one(size)]
+    return wide[0] if len(wide) == 1 else None
+
+
+def _new_axes_only(index) -> bool:
+    """Whether a ``getitem`` index only adds dims and keeps everything (``None``, ``:``, ``...``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    full = slice(None, None, None)
+    return all(item is None or item is Ellipsis or item == full for item in items)
+
+
+def _arange_call(node: fx.Node) -> _Arange | None:
+    """``torch.arange(end)`` / ``torch.arange(start, end[, 1])`` with a constant start."""
+    if node.kwargs.get("step", 1) != 1 or (len(node.args) > 2 and node.args[2] != 1):
+        return None
+    start = node.args[0] if len(node.args) >= 2 else node.kwargs.get("start", 0)
+    offset = _int_constant(start)
+    return None if offset is None else _Arange(offset, -1)
+
+
+def _shifted(node: fx.Node) -> _Arange | None:
+    """``index + c``, ``c + index`` or ``index - c`` with ``c`` a compile-time integer that
+    does not broadcast the index to a bigger shape."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if ADD(node) and _int_constant(a) is not None:
+        a, b = b, a
+    shift, index = _int_constant(b), _arange_of(a)
+    if shift is None or index is None or not same_shape(shape_of(node), shape_of(a)):
+        return None
+    return _Arange(index.offset + (shift if ADD(node) else -shift), index.dim)
+
+
+def _repeated(node: fx.Node) -> _Arange | None:
+    """``index.repeat(*sizes)`` that does not repeat along the index's dim (it tiles the
+    other, constant, dims)."""
+    sizes = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+    index = _arange_of(node.args[0])
+    if index is None or len(sizes) < -index.dim or sizes[index.dim] != 1:
+        return None
+    return index
+
+
+def _gathered(node: fx.Node) -> _Arange | None:
+    """``table[(i_0, ..., i_r-1)]`` (one integer index tensor per dim of ``table``) with
+    ``table`` an arange along one dim and that dim's index an arange from an offset ``o >= 0``
+    that stays in range: ``table[..., o + j, ...] = table_offset + o + j``. transformers
+    builds causal masks from positions this way (``position_ids[batch_idx, kv_idx]``)."""
+    table, indices = node.args
+    shape = shape_of(table)
+    if shape is None or not isinstance(indices, tuple) or len(indices) != len(shape):
+        return None
+    if not all(_is_index(i) for i in indices):
+        return None
+    outer = _arange_of(table)
+    if outer is None:
+        return None
+    along = indices[len(shape) + outer.dim]
+    inner = _arange_of(along)
+    if inner is None or inner.offset < 0:
+        return None
+    if not statically_known_true(inner.offset + shape_of(along)[inner.dim] <= shape[outer.dim]):
+        return None
+    return _Arange(outer.offset + inner.offset, inner.dim)
+
+
+def _arange_of(node) -> _Arange | None:
+    """What ``torch.arange`` ``node``'s int32/int64 tensor provably is (see :class:`_Arange`),
+    traced back through ``+``/``-`` of a constant, casts, copies, ``expand``, ``repeat`` of
+    the other dims, gathers ``table[batch_idx, idx]`` (:func:`_gathered`), and — while the
+    tensor has one wide dim — ``getitem`` with ``None``/``:``/``...``, ``unsqueeze`` and
+    ``view``/``reshape``; ``None`` when it cannot be proven."""
+    val = tensor_value(node)
+    if val is None or val.dtype not in _INDEX_DTYPES:
+        return None
+    if _ARANGE(node):
+        return _arange_call(node)
+    if ADD(node) or _SUB(node):
+        return _shifted(node)
+    if EXPAND(node) or _PASS(node) or CAST(node):
+        return _arange_of(node.args[0])
+    if _REPEAT(node):
+        return _repeated(node)
+    if GETITEM(node) and not _new_axes_only(node.args[1]):
+        return _gathered(node)
+    if GETITEM(node) or UNSQUEEZE(node) or RESHAPE(node):
+        inner, dim = _arange_of(node.args[0]), _vector_dim(node)
+        if inner is None or dim is None or _vector_dim(node.args[0]) != inner.dim:
+            return None
+        return _Arange(inner.offset, dim)
+    return None
+
+
+def proven_causal(node) -> bool:
+    """Whether ``node`` is a top-left causal comparison, ``kv_idx <= q_idx`` (or
+    ``q_idx >= kv_idx``), proven from where the indices come from: both are ``torch.arange``
+    (see :func:`_arange_of`) with equal start offsets, ``q_idx`` running along the query
+    axis (dim -2) and ``kv_idx`` along the key axis (dim -1), over equal lengths (Lq = Lkv).
+    Then key ``j`` is visible to query ``i`` iff ``j <= i``: exactly ``is_causal``."""
+    if not (isinstance(node, fx.Node) and len(node.args) == 2 and not node.kwargs):
+        return False
+    if _LE(node):
+        kv, q = node.args
+    elif _GE(node):
+        q, kv = node.args
+    else:
+        return False
+    q_index, kv_index = _arange_of(q), _arange_of(kv)
+    return (
+        q_index is not None
+        and kv_index is not None
+        and (q_index.dim, kv_index.dim) == (-2, -1)
+        and q_index.offset == kv_index.offset
+        and same_size(shape_of(q)[-2], shape_of(kv)[-1])
+    )
+
+
 def _compare_kind(node: fx.Node) -> str | None:
     """The kind of an index comparison ``node``, or ``None``."""
     if not (len(node.args) == 2 and all(_is_index(a) for a in node.args)):
         return None
+    if proven_causal(node):
+        return "causal"
     a, b = node.args
     axes = (_axis(a), _axis(b))
-    if (_LE(node) and axes == ("kv", "q")) or (_GE(node) and axes == ("q", "kv")):
-        return "causal"
     if _EQ(node) and set(axes) == {"q", "kv"}:
         return "packed"
     window = _GT(node) and _axis(a) == "kv" and _SUB(b) and _axis(b.args[0]) == "q"
@@ -192,8 +348,8 @@ def _additive_kinds(node) -> set[str]:
 
 
 def _has_causal(node) -> bool:
-    """Whether a causal comparison is ANDed at the top of the bool mask ``node``."""
-    return any(isinstance(leaf, fx.Node) and _compare_kind(leaf) == "causal" for leaf in _bool_leaves(node))
+    """Whether a proven causal comparison is ANDed at the top of the bool mask ``node``."""
+    return any(proven_causal(leaf) for leaf in _bool_leaves(node))
 
 
 def mask_kind(spec: MaskSpec, is_causal: bool) -> str:
@@ -210,8 +366,9 @@ def mask_kind(spec: MaskSpec, is_causal: bool) -> str:
 
 
 def causal_fast_path(spec: MaskSpec, is_causal: bool) -> bool:
-    """Whether every key after its query is provably masked: ``is_causal``, or a causal
-    comparison ANDed into a keep term or into the bool mask of an additive term."""
+    """Whether every key after its query is provably masked: ``is_causal``, or a proven causal
+    comparison (:func:`proven_causal`) ANDed into a keep term or into the bool mask of an
+    additive term."""
     keep = any(_has_causal(t.node) for t in spec.keep if not t.negate)
     additive = any(
         _has_causal(masked[0])
@@ -220,3 +377,68 @@ def causal_fast_path(spec: MaskSpec, is_causal: bool) -> bool:
         if masked is not None
     )
     return is_causal or keep or additive
+
+
+def _is_bool_node(node) -> bool:
+    val = tensor_value(node)
+    return val is not None and val.dtype == torch.bool
+
+
+def _unwrap_bool(node):
+    """``node`` without the broadcasts, copies and bool-to-bool casts around it: the value
+    that, broadcast (right-aligned), gives ``node``'s value."""
+    while (EXPAND(node) or _PASS(node) or CAST(node)) and _is_bool_node(node) and _is_bool_node(node.args[0]):
+        node = node.args[0]
+    return node
+
+
+def _keep_leaves(node) -> list:
+    """The operands of the AND tree of the bool mask ``node``, each a value that broadcasts
+    (right-aligned) to ``node``'s shape; only bool ANDs, broadcasts and copies are looked
+    through (no reshape, which could move dims)."""
+    node = _unwrap_bool(node)
+    if AND(node) and _is_bool_node(node):
+        return [leaf for a in node.args for leaf in _keep_leaves(a)]
+    return [node]
+
+
+def _always_true(leaf) -> bool:
+    """Whether a keep leaf is True everywhere: ``True``, a ``ones`` tensor, or
+    ``idx >= 0`` with ``idx`` a ``torch.arange`` from a non-negative offset."""
+    if leaf is True or _ONES(leaf):
+        return True
+    if not (_GE(leaf) and len(leaf.args) == 2 and _int_constant(leaf.args[1]) == 0):
+        return False
+    index = _arange_of(leaf.args[0])
+    return index is not None and index.offset >= 0
+
+
+def _without_causal(node) -> list[fx.Node] | None:
+    """The leaves of the keep mask ``node`` (True = attend) left once its proven causal
+    comparisons and always-true leaves are dropped; ``None`` when no leaf is a proven causal
+    comparison or a leaf left is not a bool tensor node (the mask is then kept whole)."""
+    leaves = _keep_leaves(node)
+    if not any(proven_causal(leaf) for leaf in leaves):
+        return None
+    rest = [leaf for leaf in leaves if not (proven_causal(leaf) or _always_true(leaf))]
+    if not all(_is_bool_node(leaf) for leaf in rest):
+        return None
+    return list(dict.fromkeys(rest))
+
+
+def split_causal(spec: MaskSpec) -> tuple[MaskSpec, bool]:
+    """``(spec, proven)``: ``proven`` when a keep term (True = attend, not negated) ANDs a
+    proven causal comparison (:func:`proven_causal`); such terms are then replaced by their
+    other leaves (each an existing graph node broadcasting to ``[B, H, Lq, Lkv]``, one keep
+    term each; always-true leaves such as ``q_idx >= 0`` or ``new_ones`` dropped), so that
+    the causal part can be served as ``is_causal=True``. Additive terms are kept as they are
+    (see the module docstring). ``(spec, False)`` unchanged when nothing is proven."""
+    keep, proven = [], False
+    for term in spec.keep:
+        rest = None if term.negate else _without_causal(term.node)
+        if rest is None:
+            keep.append(term)
+        else:
+            keep += [KeepTerm(leaf) for leaf in rest]
+            proven = True
+    return (replace(spec, keep=keep), True) if proven else (spec, False)
