@@ -310,6 +310,16 @@ def test_fully_masked_rows_give_zero():
 _INTERP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter (CPU) test")
 
 
+def _kernel_error(layer, q, attn_mask=None, scale=0.2, **config):
+    """rel-L1 of the Triton kernel (interpreter) against ``reference_decode``."""
+    from qattn_compile.kernels.decode import DecodeConfig, flashq_decode_triton
+
+    ref = flashq.reference_decode(q, layer.tensors(), attn_mask, scale)
+    out = flashq_decode_triton(q, layer.tensors(), attn_mask, scale, DecodeConfig(**config))
+    assert out.dtype == q.dtype and out.shape == q.shape
+    return ((out.float() - ref).abs().sum() / ref.abs().sum()).item()
+
+
 @_INTERP
 @pytest.mark.parametrize(
     "b, h, group, d, length, steps, int2_heads, lq, mask",
@@ -317,11 +327,11 @@ _INTERP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="
         (2, 2, 2, 16, 150, 3, 1, 1, None),  # GQA, INT4 + INT2 heads, buffer partly full
         (1, 2, 4, 48, 64, 2, 0, 2, "bool"),  # head dim padded to 64, two queries, padding mask
         (1, 2, 1, 32, 200, 0, 2, 1, "additive"),  # all INT2, additive mask
+        (1, 2, 4, 20, 140, 1, 1, 1, None),  # packed rows not whole int32 words: byte loads
+        (1, 2, 2, 32, 130, 2, 1, 3, "bool"),  # 6 query rows per kv head, padded to 8
     ],
 )
 def test_decode_kernel_matches_reference_in_interpreter(b, h, group, d, length, steps, int2_heads, lq, mask):
-    from qattn_compile.kernels.decode import DecodeConfig, flashq_decode_triton
-
     layer, _, _ = _filled_layer(b, h, length, d, int2_heads, steps, capacity=320)
     q = torch.randn(b, h * group, lq, d, dtype=torch.float16)
     attn_mask = None
@@ -329,11 +339,53 @@ def test_decode_kernel_matches_reference_in_interpreter(b, h, group, d, length, 
         attn_mask = torch.rand(b, 1, lq, 320) > 0.3
     elif mask == "additive":
         attn_mask = torch.randn(b, h * group, lq, 320)
-    ref = flashq.reference_decode(q, layer.tensors(), attn_mask, 0.2)
-    out = flashq_decode_triton(q, layer.tensors(), attn_mask, 0.2, DecodeConfig(splits=2))
-    assert out.dtype == torch.float16 and out.shape == q.shape
-    err = (out.float() - ref).abs().sum() / ref.abs().sum()
-    assert err < 2e-3, err
+    assert _kernel_error(layer, q, attn_mask, splits=2) < 2e-3
+
+
+@_INTERP
+@pytest.mark.parametrize("blocks_per_iter", [1, 2, 4])
+@pytest.mark.parametrize("codes", ["subnormal", "biased"])
+def test_decode_kernel_variants_match_reference(blocks_per_iter, codes):
+    """Every sweep variant, GQA 4, INT4 + INT2 heads: 7 compressed blocks (a ragged last tile
+    for 2 and 4 blocks per iteration) and 45 tokens in the INT8 buffer."""
+    layer, _, _ = _filled_layer(1, 3, 490, 32, 1, 3, capacity=640)
+    q = torch.randn(1, 12, 1, 32, dtype=torch.float16)
+    assert _kernel_error(layer, q, None, None, splits=3, blocks_per_iter=blocks_per_iter, codes=codes) < 2e-3
+
+
+@_INTERP
+@pytest.mark.parametrize("splits", [1, 5, 40])
+@pytest.mark.parametrize("int2_heads", [0, 2])
+def test_decode_kernel_splits_and_single_format_caches(splits, int2_heads):
+    """More splits than tiles (empty splits), one split; all-INT4 and all-INT2 caches compile
+    one code path each."""
+    layer, _, _ = _filled_layer(1, 2, 300, 32, int2_heads, 2, capacity=400)
+    q = torch.randn(1, 8, 1, 32, dtype=torch.float16)
+    assert _kernel_error(layer, q, splits=splits, blocks_per_iter=2) < 2e-3
+
+
+@_INTERP
+@pytest.mark.parametrize("length, buffer_tokens", [(40, 64), (300, 128), (256, 128)])
+def test_decode_kernel_buffer_only_wide_and_empty_buffers(length, buffer_tokens):
+    """No compressed block yet; a 128-token buffer (two block slots of a tile) partly filled;
+    a buffer that was just compressed (empty)."""
+    layer, _, _ = _filled_layer(1, 2, length, 32, 1, 0, buffer_tokens, capacity=400)
+    q = torch.randn(1, 8, 2, 32, dtype=torch.float16)
+    assert _kernel_error(layer, q, blocks_per_iter=2) < 2e-3
+
+
+def test_default_splits_and_config_validation():
+    from qattn_compile.kernels.decode import MAX_SPLITS, DecodeConfig, default_splits
+
+    blocks_32k, blocks_128k = 32768 // KV_CACHE_BLOCK + 2, 131072 // KV_CACHE_BLOCK + 2
+    assert default_splits(8, 8, blocks_32k, 2) == 17  # 8 programs per SM: cdiv(8·132, 8·8)
+    assert default_splits(1, 8, blocks_128k, 2) == MAX_SPLITS
+    assert default_splits(1, 8, blocks_32k, 2) == 64  # 4 tiles of 2 blocks per split
+    assert default_splits(64, 8, blocks_32k, 2) == 3
+    assert default_splits(1, 1, 3, 2) == 1  # short caches: one split
+    for bad in ({"blocks_per_iter": 8}, {"codes": "int8"}, {"splits": 0}, {"splits": MAX_SPLITS + 1}):
+        with pytest.raises(ValueError):
+            DecodeConfig(**bad)
 
 
 # ------------------------------------------------------------------------------------------

@@ -52,6 +52,28 @@ def test_decode_kernel_matches_reference(b, h, group, d, length, steps, int2_hea
     assert err < 5e-3, err
 
 
+_VARIANTS = [
+    {"blocks_per_iter": 1}, {"blocks_per_iter": 2}, {"blocks_per_iter": 4}, {"codes": "biased"},
+    {"num_stages": 2}, {"num_stages": 4}, {"blocks_per_iter": 4, "num_warps": 8}, {"splits": 1}, {"splits": 127},
+]
+
+
+@pytest.mark.parametrize("config", _VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("int2_heads", [0, 4, 8])
+def test_decode_kernel_variants_match_reference(config, int2_heads):
+    """Every variant of the benchmark's sweep at a realistic size: B=2, GQA 32/8, D=128, 16K
+    prompt tokens + 70 decode steps (a ragged buffer), INT4 / 2-4 mix / INT2."""
+    from qattn_compile.kernels.decode import DecodeConfig, flashq_decode_triton
+
+    layer = _layer(2, 8, 128, 16384, 70, int2_heads, 16384 + 70 + 64)
+    q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    ref = flashq.reference_decode(q, layer.tensors())
+    out = flashq_decode_triton(q, layer.tensors(), None, None, DecodeConfig(**config))
+    err = ((out.float() - ref).abs().sum() / ref.abs().sum()).item()
+    rounding = ((ref.bfloat16().float() - ref).abs().sum() / ref.abs().sum()).item()  # ~1.4e-3
+    assert err < rounding + 1e-3, (err, rounding)
+
+
 def test_decode_op_replays_in_a_cuda_graph_as_the_cache_grows():
     layer = _layer(2, 8, 128, 500, 0, 4, 700)
     q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)

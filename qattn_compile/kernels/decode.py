@@ -4,33 +4,65 @@ Semantics: :func:`qattn_compile.kvcache.flashq.reference_decode`; storage layout
 :class:`qattn_compile.kvcache.flashq.FlashQTensors`; arithmetic of the blocks:
 :mod:`qattn_compile.kvcache.flashq`.
 
-One program serves one (batch, kv head, split): the ``G·Lq`` query rows of the kv head's
-query group (GQA; padded to ``BLOCK_M >= 16`` rows for the tensor-core dot) against the
-split's share of the compressed blocks; the last split also takes the INT8 buffer. Channels
-are handled as four quarters of ``Q = D/4``: the split packing puts each quarter in one bit
-field of contiguous bytes, so a quarter's codes come from a contiguous byte load and one
-shift and mask. Per 64-token block and quarter the kernel rebuilds the INT8 integers
-``code·step + lo`` with one fp16 multiply-add (exact: integers below 256) and runs
+Work split. The grid is ``(H, splits + 1, B)``, the INT4 heads' slots first along axis 0.
+Program ``(slot, i, b)`` with ``i < splits`` serves the ``GL = G·Lq`` query rows of the kv
+head's query group (GQA) against split ``i``'s even share of the stored compressed tiles;
+program ``i = splits`` serves the same rows against the INT8 buffer. The stored length is
+read on the device, so the launch never syncs with the host (CUDA-graph safe), and the split
+count depends only on the capacity (:func:`default_splits`). Each program merges its row
+groups and writes one partial ``(m, l, acc)``; :func:`_combine_kernel` loads the
+``splits + 1`` partials of a (batch, kv head) at once and merges them.
 
-    S = Σ_quarters (q·τ·log2 e) · q8'ᵀ · s8          (fp16 dots, fp32 accumulation)
-    online softmax in base 2;  acc_quarter += (P · v8'_quarter) · s8_v
+Tiles of several blocks, one row group per block. A tensor-core dot needs 16 rows and a query
+group has few (``GL = 4`` for GQA 32/8 at ``Lq = 1``), so a loop iteration takes ``BPI``
+(:attr:`DecodeConfig.blocks_per_iter`) consecutive 64-token blocks as one ``BPI·64``-token
+tile and gives block ``j`` of the tile its own row group, rows ``j·GLP + r`` (``GLP`` = ``GL``
+rounded up to a power of two), each row with its own online-softmax state over the tokens of
+its block slot (the other slots' scores are masked). One iteration thus issues the loads of
+``BPI`` blocks at once (``num_stages`` > 1 also prefetches the codes of the next tiles into
+shared memory), and rows the dot would pad anyway carry the other blocks.
 
-so no float copy of the cache exists anywhere. The grid is ``(H, splits, B)`` with the INT4
-heads' slots first; the stored length is read on the device, each split takes
-``[split·n/S, (split+1)·n/S)`` of the ``n`` compressed blocks, and the launch never syncs
-with the host (CUDA-graph safe). :func:`_combine_kernel` merges the splits' ``(m, l, acc)``.
+Dequantization folded into the scores and the output (per block and channel ``c``:
+``x = s8·(code·step_c + lo_c)``, the storage arithmetic of :mod:`~qattn_compile.kvcache.flashq`):
 
-Bytes moved per token and kv head (D = 128): INT4 68 for K and as much for V, INT2 36,
-against 256 for bf16. Measured on the H100 (torch 2.11, triton 3.6; ``benchmarks/decode.py``,
-GQA 32/8, D=128): B=8 × 32K 0.322 ms (INT4), 0.321 (2/4 mix), 0.318 (INT2) against SDPA's
-0.366 on a bf16 cache (1.14×); B=1 × 128K 0.267 against 0.195. INT2 is no faster than INT4,
-so the kernel is not memory-bound yet (887 GB/s for INT4): the per-block chain of code
-extraction, dequantization, the two dots and the online softmax bounds it (a CTA spends
-about 2 µs per 64-token block), not the bytes.
+    S[r, t] = s8 · (Σ_c (q_rc·step_c)·code_tc + Σ_c q_rc·lo_c)
+    O[r, c] += s8_v · (step_c · (P·code)_rc + lo_c · Σ_t P_rt)
+
+so per element only a code becomes an fp16 tensor-core operand, and ``step``/``lo`` scale a
+``[BPI·GLP, D]`` tile once per tile (``q`` is scaled by ``τ·log2 e`` once, at the start).
+``q·step`` enters the dot as two fp16 rows, ``hi = fp16(q·step)`` and ``fp16(q·step - hi)``
+(~22 significant bits, more exact than the fp16 ``q`` of the reference-matching old kernel;
+with ``BPI·GLP = 8`` the extra rows fill the dot's 16 for free). ``Σ_t P`` is summed from the
+fp16 P the dot sees, so that the ``lo`` term matches it.
+
+Codes become fp16 without int→float conversions (which run at a quarter of the ALU rate):
+the packed row is read as int32 words, and ``(w >> shift) & 0x000F000F`` (INT4;
+``0x00030003`` INT2) puts two codes into the low bits of a word's two 16-bit halves, which are
+then read as fp16. ``codes="subnormal"`` reads those bits as the fp16 subnormal ``code·2⁻²⁴``
+(exact; ``2²⁴`` is folded into ``s8``). ``codes="biased"`` ors in the exponent of 1024 and
+subtracts ``1024 + 2^(bits-1)`` in fp16 (exact, centered codes; one more fp16 op per two
+codes), for a GPU whose tensor cores would flush subnormal inputs. The word layout fixes the
+order of the channels along the dot's reduction axis (:func:`_column_channels`): ``q``,
+``step`` and ``lo`` are gathered in that order, the partial output is scattered back to
+channel order. Rows that are not whole int32 words (head dims not a multiple of 8 for INT4,
+16 for INT2) are assembled from byte loads.
+
+Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metadata for K and
+as much for V (136), INT2 72, against 512 for a bf16 cache. The previous design (one 64-token
+block per iteration, codes dequantized element by element with int→float conversions, four
+channel-quarter dots) measured 0.322 ms at B=8 × 32K (INT4, H100, GQA 32/8) against SDPA's
+0.366, and INT2 was no faster than INT4: it was bound by ~1500 instructions per warp and
+64-token block (sm_90 SASS), not by the bytes. This design compiles to ~560 per warp and
+block at the default ``blocks_per_iter=2`` (Triton 3.6, sm_90) and measured (H100, torch 2.11,
+CUDA graphs) 0.270 ms at B=8 × 32K INT4 (1.36× SDPA's 0.367; 1.05 TB/s of the ~0.29 GB it
+must read) and 0.150–0.176 ms at B=1 × 128K (1.1–1.3× SDPA's 0.195); INT2 is slower than INT4
+(0.336 ms), so it is still instruction-bound, not memory-bound (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,60 +75,144 @@ from .primitives import interpreted
 
 _LOG2E = 1.4426950408889634
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
+PROGRAMS_PER_SM = 8
+""":func:`default_splits` aims at this many programs per SM: several waves of resident
+programs (2-3 per SM), so that the last, partly filled wave is a small part of the time."""
+MIN_TILES_PER_SPLIT = 4
+"""A split gets at least this many tiles of the capacity (each program first loads its
+queries and finally merges and stores its state: a few tiles' worth of latency)."""
+MAX_SPLITS = 127
+"""With the buffer's program, at most 128 partials per (batch, kv head), which the merge
+loads at once."""
+_DEFAULT_SMS = 132  # H100 SXM; what the heuristic assumes for tensors not on a CUDA device
+_COMBINE_TILE = 8192  # partial values one merge program loads at once (64 per thread)
+MAX_ROWS = 64
+"""Row groups stop at this many rows per program (``blocks_per_iter`` is lowered for large
+query groups, which fill the dot's rows by themselves)."""
+CODE_FORMATS = ("subnormal", "biased")
+"""How codes become fp16 dot operands (module docstring): ``subnormal`` (the code's bits as an
+fp16 subnormal) or ``biased`` (1024 + code, minus 1024)."""
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters; ``splits=None`` picks :func:`default_splits`. The defaults are the
-    fastest of the sweep in ``benchmarks/decode.py`` on the H100 (torch 2.11, triton 3.6) at
-    B=8 × 32K and B=1 × 128K alike (8 warps took twice as long)."""
+    """Launch parameters of :func:`flashq_decode_triton`.
+
+    - ``splits``: programs per (batch, kv head) along the cache; ``None`` picks
+      :func:`default_splits`.
+    - ``blocks_per_iter``: 64-token blocks per loop iteration (1, 2 or 4), one row group
+      each (module docstring); lowered so that a program has at most :data:`MAX_ROWS` rows.
+    - ``codes``: one of :data:`CODE_FORMATS`.
+    - ``num_warps``, ``num_stages``: Triton's (stages > 1 prefetch the codes of later tiles
+      into shared memory).
+
+    The defaults are the variant with the fewest instructions per block in its sm_90 code
+    (Triton 3.6: 2 blocks per iteration, 4 warps; 168 registers and 68 KB of shared memory,
+    so 3 programs per SM). The H100 sweep (``benchmarks/decode.py --sweep``) put it within
+    2 % of the fastest variant at B=8 × 32K (2 stages: 0.264 vs 0.270 ms); 4 blocks per
+    iteration is 1.8× slower (shared memory limits it to one program per SM).
+    """
 
     splits: int | None = None
+    blocks_per_iter: int = 2
+    codes: str = "subnormal"
     num_warps: int = 4
     num_stages: int = 3
+
+    def __post_init__(self):
+        if self.blocks_per_iter not in (1, 2, 4):
+            raise ValueError(f"blocks_per_iter must be 1, 2 or 4, got {self.blocks_per_iter}")
+        if self.codes not in CODE_FORMATS:
+            raise ValueError(f"codes must be one of {CODE_FORMATS}, got {self.codes!r}")
+        if self.splits is not None and not 1 <= self.splits <= MAX_SPLITS:
+            raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {self.splits}")
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _code_quarters(codes_ptr, rows, c_t, Q, QB: tl.constexpr, BITS: tl.constexpr):
-    """Codes of rows ``rows`` ``[N]`` as four ``[N, QB]`` int32 tiles, one per channel quarter
-    (channels ``[jQ, jQ + Q)``, columns ``>= Q`` zero). Split layout: INT4 byte ``i < 2Q``
-    holds channel ``i`` (low nibble) and ``i + 2Q``; INT2 byte ``i < Q`` holds ``i + jQ`` at
-    bits ``2j``. Contiguous byte loads, one shift and mask per code, no register shuffles."""
-    cols = tl.arange(0, QB)
-    ok = (cols < Q)[None, :]
-    base = codes_ptr + rows[:, None] * c_t + cols[None, :]
-    a = tl.load(base, mask=ok, other=0).to(tl.int32)
-    if BITS == 4:
-        b = tl.load(base + Q, mask=ok, other=0).to(tl.int32)
-        return a & 15, b & 15, a >> 4, b >> 4
+def _column_channels(BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Channel of each column ``[WP·32/BITS]`` of an unpacked code tile (:func:`_load_codes`)
+    and whether it is a real channel (columns past the row's bytes are padding).
+
+    Column ``col`` = ``(32/BITS)·j + i``: word ``j`` of the token's packed row, bit position
+    ``(i // 2)·BITS + 16·(i % 2)`` in that word, i.e. byte ``4j + pos // 8`` and bit field
+    ``(pos % 8) / BITS`` of the split layout (byte ``n`` holds channel ``n + field·D·BITS/8``).
+    """
+    PER_WORD: tl.constexpr = 32 // BITS
+    ROW_BYTES: tl.constexpr = HEAD_DIM * BITS // 8
+    col = tl.arange(0, WP * PER_WORD)
+    i = col % PER_WORD
+    pos = (i // 2) * BITS + 16 * (i % 2)
+    byte = 4 * (col // PER_WORD) + pos // 8
+    field = (pos % 8) // BITS
+    return byte + field * ROW_BYTES, byte < ROW_BYTES
+
+
+@triton.jit
+def _load_codes(ptr, rows, stride_t, BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                WORDS: tl.constexpr, BIASED: tl.constexpr):
+    """Codes of token rows ``rows`` ``[N]`` as an fp16 tile ``[N, WP·32/BITS]`` in the column
+    order of :func:`_column_channels`: ``code·2⁻²⁴`` (subnormal) or, ``BIASED``,
+    ``code - 2^(BITS-1)``. Padding columns hold code 0.
+
+    ``ptr`` points at packed rows of ``HEAD_DIM·BITS/8`` bytes, ``stride_t`` bytes apart.
+    ``WORDS``: rows are whole, 4-byte aligned int32 words (one vector load per thread);
+    otherwise the words are assembled from byte loads (head dims not a multiple of 32/BITS·4).
+    """
+    ROW_BYTES: tl.constexpr = HEAD_DIM * BITS // 8
+    j = tl.arange(0, WP)
+    if WORDS:
+        words = ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_t // 4) + j[None, :]
+        if WP * 4 == ROW_BYTES:
+            w = tl.load(words)
+        else:
+            w = tl.load(words, mask=(j < ROW_BYTES // 4)[None, :], other=0)
     else:
-        return a & 3, (a >> 2) & 3, (a >> 4) & 3, a >> 6
+        base = ptr + rows[:, None] * stride_t + 4 * j[None, :]
+        w = tl.zeros([rows.shape[0], WP], tl.int32)
+        for k in tl.static_range(4):
+            byte = tl.load(base + k, mask=(4 * j + k < ROW_BYTES)[None, :], other=0)
+            w = w | (byte.to(tl.int32) << (8 * k))
+    # shifts in column order: (i // 2)·BITS for i = 0, 2, 4, ...; the halves follow below
+    if BITS == 4:
+        m: tl.constexpr = 0x000F000F
+        p = tl.join(tl.join(w & m, (w >> 8) & m), tl.join((w >> 4) & m, (w >> 12) & m))
+    else:
+        m: tl.constexpr = 0x00030003
+        p = tl.join(
+            tl.join(tl.join(w & m, (w >> 8) & m), tl.join((w >> 4) & m, (w >> 12) & m)),
+            tl.join(tl.join((w >> 2) & m, (w >> 10) & m), tl.join((w >> 6) & m, (w >> 14) & m)),
+        )
+    if BIASED:
+        p = p | 0x64006400  # fp16 1024 + code in each half
+    half = tl.join(p, p >> 16).to(tl.int16)
+    codes = tl.reshape(half, [rows.shape[0], WP * 32 // BITS]).to(tl.float16, bitcast=True)
+    if BIASED:
+        codes = codes - (1024.0 + (1 << (BITS - 1)))  # code - 8 (INT4) / code - 2 (INT2)
+    return codes
 
 
 @triton.jit
-def _dequant(codes, step_ptr, lo_ptr, quarter, Q, QB: tl.constexpr):
-    """``code·step + lo`` for one quarter ``[N, QB]``, in fp16 (integers <= 255 in magnitude:
-    exact)."""
-    cols = tl.arange(0, QB)
-    ok = cols < Q
-    step = tl.load(step_ptr + quarter * Q + cols, mask=ok, other=0).to(tl.float16)
-    lo = tl.load(lo_ptr + quarter * Q + cols, mask=ok, other=0).to(tl.float16)
-    return codes.to(tl.float16) * step[None, :] + lo[None, :]
+def _split_fp16(x):
+    """``x`` ``[M, K]`` float32 as fp16 ``[2M, K]``: rows ``[0, M)`` ``hi = fp16(x)``, rows
+    ``[M, 2M)`` ``fp16(x - hi)`` (``hi + lo`` carries ~22 significant bits)."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), [2 * x.shape[0], x.shape[1]])
 
 
 @triton.jit
-def _int8_quarter(ptr, rows, ok_rows, stride_t, quarter, Q, QB: tl.constexpr):
-    """Quarter ``quarter`` of INT8 rows (the decode buffer) as fp16 ``[N, QB]``."""
-    cols = tl.arange(0, QB)
-    ok = ok_rows[:, None] & (cols < Q)[None, :]
-    return tl.load(ptr + rows[:, None] * stride_t + quarter * Q + cols[None, :], mask=ok, other=0).to(tl.float16)
+def _row_groups(x, GLP: tl.constexpr):
+    """Per-block rows ``x`` ``[BPI, C]`` as float32 ``[BPI·GLP, C]``: row ``j`` repeated for the
+    ``GLP`` rows of row group ``j``."""
+    x = x.to(tl.float32)
+    return tl.reshape(tl.broadcast_to(x[:, None, :], [x.shape[0], GLP, x.shape[1]]), [x.shape[0] * GLP, x.shape[1]])
 
 
 @triton.jit
-def _visible_scores(s, keys, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND: tl.constexpr):
+def _visible(s, keys, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND: tl.constexpr):
     """Scores ``s`` ``[M, N]`` (log2 units) of keys ``keys`` ``[N]`` for queries at positions
     ``qpos`` ``[M]``: causal, then the user mask; invisible → -inf."""
     vis = keys[None, :] <= qpos[:, None]
@@ -113,112 +229,162 @@ def _visible_scores(s, keys, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KI
 @triton.jit
 def _softmax_step(s, m_i, l_i):
     """Online softmax in base 2 for a score tile ``s`` ``[M, N]``: returns the new max, the
-    rescale factor of the old state, the sum and P as fp16."""
+    rescale factor of the old state, the new sum and P (fp32)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    return m_new, alpha, l_i * alpha + tl.sum(p, 1), p.to(tl.float16)
+    return m_new, alpha, l_i * alpha + tl.sum(p, 1), p
 
 
 @triton.jit
-def _decode_head(
-    q_ptr, sq_b, sq_h, sq_l,
+def _query_rows(q_ptr, sq_b, sq_h, sq_l, b, h, qk_scale, ch, ch_ok,
+                G: tl.constexpr, LQ: tl.constexpr, GLP: tl.constexpr, BPI: tl.constexpr):
+    """The row layout of a program: ``BPI`` row groups of ``GLP`` rows, row ``j·GLP + r`` is
+    query row ``r`` (head ``h·G + r // LQ``, position ``r % LQ``) for block slot ``j``.
+
+    Returns ``q·qk_scale`` float32 ``[BPI·GLP, C]`` gathered at channels ``ch`` ``[C]`` (0 where
+    ``ch_ok`` is False or the row is padding), the rows' validity, head, query index and slot.
+    """
+    rows = tl.arange(0, BPI * GLP)
+    gq = rows % GLP
+    row_ok = gq < G * LQ
+    hq = h * G + gq // LQ
+    qi = gq % LQ
+    ptr = q_ptr + b * sq_b + hq[:, None] * sq_h + qi[:, None] * sq_l + ch[None, :]
+    q = tl.load(ptr, mask=row_ok[:, None] & ch_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+    return q, row_ok, hq, qi, rows // GLP
+
+
+@triton.jit
+def _compressed_part(
+    q_ptr, sq_b, sq_h, sq_l, qk_scale,
     codes_ptr, c_kv, c_t,
     step_ptr, lo_ptr, m_kv, m_blk,
     s8_ptr, s8_kv,
-    buf_ptr, buf_kv, buf_t, bs_ptr, bs_kv,
-    len_ptr,
     mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
-    part_o_ptr, part_ml_ptr, part,
-    b, h, split, n_splits, qk_scale, G, LQ, Q, NBUF,
-    BITS: tl.constexpr, BLOCK_M: tl.constexpr, QB: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr,
+    b, h, split, n_splits, length, compressed,
+    BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr,
+    GLP: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+    WORDS: tl.constexpr, BIASED: tl.constexpr,
 ):
-    """Partial attention of kv head ``h`` of batch ``b`` over split ``split`` (module doc).
+    """Online-softmax state of split ``split`` of the compressed blocks of (batch ``b``, kv
+    head ``h``), row layout of :func:`_query_rows`, columns in code order.
 
     Pointers are already offset to this (batch, head): ``codes_ptr`` ``[2, T, D·BITS/8]``
-    (strides ``c_kv``, ``c_t``), ``step_ptr``/``lo_ptr`` ``[2, NB, D]`` (``m_kv``, ``m_blk``),
-    ``s8_ptr`` ``[2, NB]`` (``s8_kv``), ``buf_ptr`` ``[2, n_b, D]`` (``buf_kv``, ``buf_t``),
-    ``bs_ptr`` ``[2]`` (``bs_kv``). Channels are processed as four quarters of ``Q = D/4``
-    (padded to ``QB``). Writes partials ``part`` of ``part_o`` ``[.., BLOCK_M, 4, QB]`` and
-    ``part_ml`` ``[.., BLOCK_M, 2]``.
+    uint8 (strides ``c_kv``, ``c_t``), ``step_ptr``/``lo_ptr`` ``[2, NB, D]`` (``m_kv``,
+    ``m_blk``), ``s8_ptr`` ``[2, NB]`` (``s8_kv``). ``WP``: int32 words per packed row
+    (:func:`padded_words`). Returns ``(m, l, acc, ch, ch_ok)``: ``[BPI·GLP]``, ``[BPI·GLP]``,
+    ``[BPI·GLP, WP·32/BITS]`` and the channel of each column.
     """
-    rows = tl.arange(0, BLOCK_M)
-    g = rows // LQ
-    qi = rows % LQ
-    row_ok = rows < G * LQ
-    hq = h * G + g
-    cols = tl.arange(0, QB)
-    q_tile = q_ptr + b * sq_b + hq[:, None] * sq_h + qi[:, None] * sq_l + cols[None, :]
-    q_ok = row_ok[:, None] & (cols < Q)[None, :]
-    q0 = (tl.load(q_tile, mask=q_ok, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    q1 = (tl.load(q_tile + Q, mask=q_ok, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    q2 = (tl.load(q_tile + 2 * Q, mask=q_ok, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    q3 = (tl.load(q_tile + 3 * Q, mask=q_ok, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    BLOCK_M: tl.constexpr = BPI * GLP
+    TILE: tl.constexpr = BPI * BLOCK_N
+    UNIT: tl.constexpr = 1.0 if BIASED else 16777216.0  # 2**24: subnormal codes are code·2**-24
+    CENTER: tl.constexpr = (1 << (BITS - 1)) if BIASED else 0  # biased codes are code - CENTER
+    ch, ch_ok = _column_channels(BITS, WP, HEAD_DIM)
+    q, row_ok, hq, qi, slot = _query_rows(q_ptr, sq_b, sq_h, sq_l, b, h, qk_scale, ch, ch_ok, G, LQ, GLP, BPI)
     mask_row_ptr = mask_ptr + b * sm_b + hq * sm_h + qi * sm_q
-
-    length = tl.load(len_ptr).to(tl.int32)
-    compressed = (length // NBUF) * NBUF
-    n_blocks = compressed // BLOCK_N
-    first = split * n_blocks // n_splits
-    last = (split + 1) * n_blocks // n_splits
     qpos = length - LQ + qi
 
+    n_blocks = compressed // BLOCK_N
+    n_tiles = tl.cdiv(n_blocks, BPI)
+    first = split * n_tiles // n_splits
+    last = (split + 1) * n_tiles // n_splits
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, QB], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, QB], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, QB], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, QB], tl.float32)
-    toks = tl.arange(0, BLOCK_N)
-    for blk in range(first, last):
-        keys = blk * BLOCK_N + toks
-        k_step = step_ptr + blk * m_blk
-        k_lo = lo_ptr + blk * m_blk
-        c0, c1, c2, c3 = _code_quarters(codes_ptr, keys, c_t, Q, QB, BITS)
-        s = tl.dot(q0, tl.trans(_dequant(c0, k_step, k_lo, 0, Q, QB)))
-        s = tl.dot(q1, tl.trans(_dequant(c1, k_step, k_lo, 1, Q, QB)), s)
-        s = tl.dot(q2, tl.trans(_dequant(c2, k_step, k_lo, 2, Q, QB)), s)
-        s = tl.dot(q3, tl.trans(_dequant(c3, k_step, k_lo, 3, Q, QB)), s)
-        s = _visible_scores(s * tl.load(s8_ptr + blk), keys, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
+    acc = tl.zeros([BLOCK_M, WP * 32 // BITS], tl.float32)
+    toks = tl.arange(0, TILE)
+    own = (toks // BLOCK_N)[None, :] == slot[:, None]  # row group j reads block slot j
+    blocks = tl.arange(0, BPI)
+    for tile in range(first, last):
+        blk = tile * BPI + slot
+        blk_in = tl.minimum(blk, n_blocks - 1)  # a ragged last tile re-reads the last block
+        meta = tl.minimum(tile * BPI + blocks, n_blocks - 1)[:, None] * m_blk + ch[None, :]
+        key_rows = tl.minimum(tile * TILE + toks, compressed - 1)
+        k_step = _row_groups(tl.load(step_ptr + meta, mask=ch_ok[None, :], other=0), GLP)
+        k_lo = _row_groups(tl.load(lo_ptr + meta, mask=ch_ok[None, :], other=0), GLP)
+        k_s8 = tl.load(s8_ptr + blk_in)
+        bias = tl.sum(q * (k_lo + CENTER * k_step), 1)
+        kc = _load_codes(codes_ptr, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED)
+        # q·step as fp16 hi + lo rows: one dot, ~22-bit q (the rows pad the dot's 16 anyway)
+        s = tl.sum(tl.reshape(tl.dot(_split_fp16(q * k_step), tl.trans(kc)), [2, BLOCK_M, TILE]), 0)
+        s = s * (k_s8 * UNIT)[:, None] + (bias * k_s8)[:, None]
+        s = tl.where(own & (blk < n_blocks)[:, None], s, float("-inf"))
+        s = _visible(s, tile * TILE + toks, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
         m_i, alpha, l_i, p = _softmax_step(s, m_i, l_i)
-        v_scale = tl.load(s8_ptr + s8_kv + blk)
-        v_step = k_step + m_kv
-        v_lo = k_lo + m_kv
-        c0, c1, c2, c3 = _code_quarters(codes_ptr + c_kv, keys, c_t, Q, QB, BITS)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _dequant(c0, v_step, v_lo, 0, Q, QB)) * v_scale
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, _dequant(c1, v_step, v_lo, 1, Q, QB)) * v_scale
-        acc2 = acc2 * alpha[:, None] + tl.dot(p, _dequant(c2, v_step, v_lo, 2, Q, QB)) * v_scale
-        acc3 = acc3 * alpha[:, None] + tl.dot(p, _dequant(c3, v_step, v_lo, 3, Q, QB)) * v_scale
+        v_step = _row_groups(tl.load(step_ptr + m_kv + meta, mask=ch_ok[None, :], other=0), GLP)
+        v_lo = _row_groups(tl.load(lo_ptr + m_kv + meta, mask=ch_ok[None, :], other=0), GLP)
+        v_s8 = tl.load(s8_ptr + s8_kv + blk_in)
+        vc = _load_codes(codes_ptr + c_kv, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED)
+        p16 = p.to(tl.float16)
+        p_sum = tl.sum(p16.to(tl.float32), 1)  # the P the dot sees, so that lo·ΣP matches it
+        pv = tl.dot(p16, vc)
+        acc = acc * alpha[:, None] + pv * ((v_s8 * UNIT)[:, None] * v_step)
+        acc += (p_sum * v_s8)[:, None] * (v_lo + CENTER * v_step)
+    return m_i, l_i, acc, ch, ch_ok
 
-    if split == n_splits - 1:
-        buffered = length - compressed
-        k_scale = tl.load(bs_ptr)
-        v_scale = tl.load(bs_ptr + bs_kv)
-        for t0 in range(0, buffered, BLOCK_N):
-            local = t0 + toks
-            ok = local < buffered
-            s = tl.dot(q0, tl.trans(_int8_quarter(buf_ptr, local, ok, buf_t, 0, Q, QB)))
-            s = tl.dot(q1, tl.trans(_int8_quarter(buf_ptr, local, ok, buf_t, 1, Q, QB)), s)
-            s = tl.dot(q2, tl.trans(_int8_quarter(buf_ptr, local, ok, buf_t, 2, Q, QB)), s)
-            s = tl.dot(q3, tl.trans(_int8_quarter(buf_ptr, local, ok, buf_t, 3, Q, QB)), s)
-            s = tl.where(ok[None, :], s * k_scale, float("-inf"))
-            s = _visible_scores(s, compressed + local, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
-            m_i, alpha, l_i, p = _softmax_step(s, m_i, l_i)
-            v = buf_ptr + buf_kv
-            acc0 = acc0 * alpha[:, None] + tl.dot(p, _int8_quarter(v, local, ok, buf_t, 0, Q, QB)) * v_scale
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, _int8_quarter(v, local, ok, buf_t, 1, Q, QB)) * v_scale
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _int8_quarter(v, local, ok, buf_t, 2, Q, QB)) * v_scale
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _int8_quarter(v, local, ok, buf_t, 3, Q, QB)) * v_scale
 
-    out = part_o_ptr + part * BLOCK_M * 4 * QB + rows[:, None] * (4 * QB) + cols[None, :]
-    tl.store(out, acc0)
-    tl.store(out + QB, acc1)
-    tl.store(out + 2 * QB, acc2)
-    tl.store(out + 3 * QB, acc3)
-    tl.store(part_ml_ptr + (part * BLOCK_M + rows) * 2, m_i)
-    tl.store(part_ml_ptr + (part * BLOCK_M + rows) * 2 + 1, l_i)
+@triton.jit
+def _buffer_part(
+    q_ptr, sq_b, sq_h, sq_l, qk_scale,
+    buf_ptr, buf_kv, buf_t, bs_ptr, bs_kv,
+    mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
+    b, h, length, compressed,
+    DO: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr,
+    GLP: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+):
+    """Online-softmax state of the INT8 buffer (tokens ``[compressed, length)``) of (batch
+    ``b``, kv head ``h``), row layout of :func:`_query_rows` (slot ``j`` takes the ``j``-th 64
+    tokens of each ``BPI·64``-token tile), columns in channel order ``[DO]``.
+
+    ``buf_ptr`` ``[2, n_b, D]`` int8 (strides ``buf_kv``, ``buf_t``), ``bs_ptr`` ``[2]`` float32
+    (``bs_kv``), offset to this (batch, head). Returns ``(m, l, acc, ch, ch_ok)`` like
+    :func:`_compressed_part`.
+    """
+    BLOCK_M: tl.constexpr = BPI * GLP
+    TILE: tl.constexpr = BPI * BLOCK_N
+    ch = tl.arange(0, DO)
+    ch_ok = ch < HEAD_DIM
+    q, row_ok, hq, qi, slot = _query_rows(q_ptr, sq_b, sq_h, sq_l, b, h, qk_scale, ch, ch_ok, G, LQ, GLP, BPI)
+    q16 = q.to(tl.float16)
+    mask_row_ptr = mask_ptr + b * sm_b + hq * sm_h + qi * sm_q
+    qpos = length - LQ + qi
+    buffered = length - compressed
+    k_scale = tl.load(bs_ptr)
+    v_scale = tl.load(bs_ptr + bs_kv)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DO], tl.float32)
+    toks = tl.arange(0, TILE)
+    own = (toks // BLOCK_N)[None, :] == slot[:, None]
+    for t0 in range(0, buffered, TILE):
+        local = t0 + toks
+        ok = local < buffered
+        tile = buf_ptr + local[:, None] * buf_t + ch[None, :]
+        kb = tl.load(tile, mask=ok[:, None] & ch_ok[None, :], other=0).to(tl.float16)
+        s = tl.where(own & ok[None, :], tl.dot(q16, tl.trans(kb)) * k_scale, float("-inf"))
+        s = _visible(s, compressed + local, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
+        m_i, alpha, l_i, p = _softmax_step(s, m_i, l_i)
+        vb = tl.load(tile + buf_kv, mask=ok[:, None] & ch_ok[None, :], other=0).to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vb) * v_scale
+    return m_i, l_i, acc, ch, ch_ok
+
+
+@triton.jit
+def _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part,
+                   DO: tl.constexpr, GLP: tl.constexpr, BPI: tl.constexpr):
+    """Merge the ``BPI`` row groups of a state (rows ``j·GLP + r``, columns at channels ``ch``)
+    into partial ``part`` of ``part_o`` ``[.., GLP, DO]`` (channel order) and ``part_ml``
+    ``[.., GLP, 2]`` (max, sum)."""
+    m_g = tl.reshape(m_i, [BPI, GLP])
+    m = tl.max(m_g, 0)
+    w = tl.exp2(m_g - tl.where(m == float("-inf"), 0.0, m)[None, :])
+    l_out = tl.sum(tl.reshape(l_i, [BPI, GLP]) * w, 0)
+    acc_out = tl.sum(tl.reshape(acc, [BPI, GLP, acc.shape[1]]) * w[:, :, None], 0)
+    r = tl.arange(0, GLP)
+    tl.store(part_o_ptr + (part * GLP + r[:, None]) * DO + ch[None, :], acc_out, mask=ch_ok[None, :])
+    tl.store(part_ml_ptr + (part * GLP + r) * 2, m)
+    tl.store(part_ml_ptr + (part * GLP + r) * 2 + 1, l_out)
 
 
 @triton.jit
@@ -234,90 +400,117 @@ def _flashq_decode_kernel(
     len_ptr,
     mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
     part_o_ptr, part_ml_ptr,
-    qk_scale, G, LQ, Q, NBUF,
-    BLOCK_M: tl.constexpr, QB: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+    qk_scale, NBUF,
+    HEAD_DIM: tl.constexpr, DO: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr, GLP: tl.constexpr,
+    BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+    WP4: tl.constexpr, WP2: tl.constexpr, WORDS4: tl.constexpr, WORDS2: tl.constexpr, BIASED: tl.constexpr,
+    HAS4: tl.constexpr, HAS2: tl.constexpr,
 ):
-    """Grid ``(H, splits, B)``: axis 0 is the head slot, the ``n4`` INT4 slots first."""
+    """Grid ``(H, splits + 1, B)``: axis 0 is the head slot (the ``n4`` INT4 slots first), axis
+    1 the split of the compressed blocks, the last one the INT8 buffer. ``HAS4``/``HAS2``: the
+    cache has INT4/INT2 heads (a single-format cache compiles one path)."""
     slot = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     n_heads = tl.num_programs(0)
-    n_splits = tl.num_programs(1)
-    is4 = slot < n4
-    h = tl.load(tl.where(is4, heads4_ptr + slot, heads2_ptr + slot - n4))
-    step = step_ptr + b * m_b + h * m_h
-    lo = lo_ptr + b * m_b + h * m_h
-    s8 = s8_ptr + b * s8_b + h * s8_h
-    buf = buf_ptr + b * buf_b + h * buf_h
-    bs = bs_ptr + b * bs_b + h
-    part = (b * n_heads + h) * n_splits + split
-    if is4:
-        _decode_head(
-            q_ptr, sq_b, sq_h, sq_l, c4_ptr + b * c4_b + slot * c4_h, c4_kv, c4_t,
-            step, lo, m_kv, m_blk, s8, s8_kv, buf, buf_kv, buf_t, bs, bs_kv, len_ptr,
-            mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len, part_o_ptr, part_ml_ptr, part,
-            b, h, split, n_splits, qk_scale, G, LQ, Q, NBUF,
-            4, BLOCK_M, QB, BLOCK_N, MASK_KIND,
+    n_parts = tl.num_programs(1)
+    h = tl.load(tl.where(slot < n4, heads4_ptr + slot, heads2_ptr + slot - n4))
+    length = tl.load(len_ptr).to(tl.int32)
+    compressed = (length // NBUF) * NBUF
+    part = (b * n_heads + h) * n_parts + split
+    if split == n_parts - 1:
+        m_i, l_i, acc, ch, ch_ok = _buffer_part(
+            q_ptr, sq_b, sq_h, sq_l, qk_scale, buf_ptr + b * buf_b + h * buf_h, buf_kv, buf_t,
+            bs_ptr + b * bs_b + h, bs_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
+            b, h, length, compressed, DO, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND,
         )
+        _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
     else:
-        _decode_head(
-            q_ptr, sq_b, sq_h, sq_l, c2_ptr + b * c2_b + (slot - n4) * c2_h, c2_kv, c2_t,
-            step, lo, m_kv, m_blk, s8, s8_kv, buf, buf_kv, buf_t, bs, bs_kv, len_ptr,
-            mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len, part_o_ptr, part_ml_ptr, part,
-            b, h, split, n_splits, qk_scale, G, LQ, Q, NBUF,
-            2, BLOCK_M, QB, BLOCK_N, MASK_KIND,
-        )
+        step = step_ptr + b * m_b + h * m_h
+        lo = lo_ptr + b * m_b + h * m_h
+        s8 = s8_ptr + b * s8_b + h * s8_h
+        if HAS4 and slot < n4:
+            m_i, l_i, acc, ch, ch_ok = _compressed_part(
+                q_ptr, sq_b, sq_h, sq_l, qk_scale, c4_ptr + b * c4_b + slot * c4_h, c4_kv, c4_t,
+                step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
+                b, h, split, n_parts - 1, length, compressed,
+                4, WP4, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS4, BIASED,
+            )
+            _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
+        if HAS2 and slot >= n4:
+            m_i, l_i, acc, ch, ch_ok = _compressed_part(
+                q_ptr, sq_b, sq_h, sq_l, qk_scale, c2_ptr + b * c2_b + (slot - n4) * c2_h, c2_kv, c2_t,
+                step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
+                b, h, split, n_parts - 1, length, compressed,
+                2, WP2, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS2, BIASED,
+            )
+            _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
 
 
 @triton.jit
 def _combine_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, so_b, so_h, so_l,
-    n_heads, n_splits, G, LQ, Q,
-    BLOCK_M: tl.constexpr, QB: tl.constexpr,
+    n_heads, n_parts,
+    HEAD_DIM: tl.constexpr, DO: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr, GLP: tl.constexpr,
+    PARTS: tl.constexpr, COLS: tl.constexpr,
 ):
-    """Merge the splits of (kv head ``program_id(0)``, batch ``program_id(1)``) into ``out``
-    ``[B, Hq, Lq, D]``; a row no split saw a visible key for gets 0."""
+    """Merge the ``n_parts`` partials of (kv head ``program_id(0)``, batch ``program_id(1)``)
+    for channels ``[COLS·program_id(2), +COLS)``: ``part_o`` ``[B, H, n_parts, GLP, DO]``,
+    ``part_ml`` ``[B, H, n_parts, GLP, 2]`` into ``out`` ``[B, Hq, Lq, D]``; a row no partial
+    saw a visible key for gets 0. ``PARTS`` (>= ``n_parts``, a power of two): all partials are
+    loaded at once, so the merge costs one memory latency however many splits there are."""
     h = tl.program_id(0)
     b = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, 4 * QB)  # quarter cols // QB, channel (cols // QB)·Q + cols % QB
-    first = (b * n_heads + h) * n_splits
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(n_splits):
-        m = tl.maximum(m, tl.load(part_ml_ptr + ((first + s) * BLOCK_M + rows) * 2))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, 4 * QB], tl.float32)
-    for s in range(n_splits):
-        ml = part_ml_ptr + ((first + s) * BLOCK_M + rows) * 2
-        w = tl.exp2(tl.load(ml) - m_safe)
-        l += w * tl.load(ml + 1)
-        o = tl.load(part_o_ptr + (first + s) * BLOCK_M * 4 * QB + rows[:, None] * (4 * QB) + cols[None, :])
-        acc += w[:, None] * o
+    parts = tl.arange(0, PARTS)
+    rows = tl.arange(0, GLP)
+    cols = tl.program_id(2) * COLS + tl.arange(0, COLS)
+    part = (b * n_heads + h) * n_parts + parts
+    ok = (parts < n_parts)[:, None]
+    ml = part_ml_ptr + (part[:, None] * GLP + rows[None, :]) * 2
+    m_p = tl.load(ml, mask=ok, other=float("-inf"))
+    m = tl.max(m_p, 0)
+    w = tl.exp2(m_p - tl.where(m == float("-inf"), 0.0, m)[None, :])  # [PARTS, GLP]
+    l = tl.sum(w * tl.load(ml + 1, mask=ok, other=0.0), 0)
+    o_ptr = part_o_ptr + (part[:, None, None] * GLP + rows[None, :, None]) * DO + cols[None, None, :]
+    col_ok = (cols < HEAD_DIM)[None, :]
+    o = tl.load(o_ptr, mask=ok[:, :, None] & col_ok[None, :, :], other=0.0)
+    acc = tl.sum(o * w[:, :, None], 0)
     out = tl.where((l > 0)[:, None], acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
     g = rows // LQ
     qi = rows % LQ
-    channel = (cols // QB) * Q + cols % QB
-    ok = (rows < G * LQ)[:, None] & (cols % QB < Q)[None, :]
-    ptr = out_ptr + b * so_b + (h * G + g)[:, None] * so_h + qi[:, None] * so_l + channel[None, :]
-    tl.store(ptr, out, mask=ok)
+    ptr = out_ptr + b * so_b + (h * G + g)[:, None] * so_h + qi[:, None] * so_l + cols[None, :]
+    tl.store(ptr, out, mask=(rows < G * LQ)[:, None] & col_ok)
 
 
 # ----------------------------------------------------------------------------- launcher
 
 
-DEFAULT_SPLITS = 16
-"""Splits per (batch, kv head): the sweep's best on the H100 for 64 and for 8 (batch, kv
-head) pairs alike (more splits only add partials to merge)."""
-
-
-def default_splits(batch: int, kv_heads: int, n_blocks: int) -> int:
-    """:data:`DEFAULT_SPLITS`, with at least four blocks of the capacity ``n_blocks`` each.
+def default_splits(batch: int, kv_heads: int, n_blocks: int, blocks_per_iter: int, sms: int = _DEFAULT_SMS) -> int:
+    """Splits per (batch, kv head): enough programs for :data:`PROGRAMS_PER_SM` per SM, at most
+    :data:`MAX_SPLITS`, and at least :data:`MIN_TILES_PER_SPLIT` tiles of ``blocks_per_iter``
+    blocks of the capacity ``n_blocks`` per split.
 
     Depends only on the capacity (not on the stored length), so a captured CUDA graph stays
-    valid as the cache grows.
+    valid as the cache grows. GQA 32/8, 132 SMs, two blocks per iteration: 17 splits at
+    B=8 × 32K, 127 at B=1 × 128K, 64 at B=1 × 32K.
     """
-    return max(1, min(DEFAULT_SPLITS, n_blocks // 4))
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * kv_heads)
+    tiles = triton.cdiv(n_blocks, blocks_per_iter)
+    return max(1, min(wanted, MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
+
+
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (cached: the launcher asks on every call)."""
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def padded_words(head_dim: int, bits: int) -> int:
+    """int32 words of a token's packed row (``head_dim·bits/8`` bytes), rounded up to a power
+    of two with at least 16 codes: the kernel's code tiles are ``[tokens, words·32/bits]``."""
+    return max(triton.next_power_of_2(triton.cdiv(head_dim * bits // 8, 4)), 16 * bits // 32)
 
 
 def _mask_args(attn_mask: Tensor | None, q: Tensor, device: torch.device):
@@ -333,6 +526,22 @@ def _mask_args(attn_mask: Tensor | None, q: Tensor, device: torch.device):
     return kind, mask, tuple(mask.stride()), mask.shape[-1]
 
 
+def _word_rows(codes: Tensor) -> bool:
+    """Whether packed rows ``codes`` ``[2, B, n, T, bytes]`` can be read as aligned int32 words."""
+    return codes.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in codes.stride()[:-1]) and codes.data_ptr() % 4 == 0
+
+
+def resolve(config: DecodeConfig, q: Tensor, t) -> DecodeConfig:
+    """``config`` as the launch for ``q`` ``[B, Hq, Lq, D]`` over the storage ``t`` uses it:
+    ``blocks_per_iter`` lowered to :data:`MAX_ROWS` rows, ``splits`` from :func:`default_splits`
+    when None."""
+    b, hq, lq, _ = q.shape
+    _, _, h, n_blocks, _ = t.step.shape
+    bpi = min(config.blocks_per_iter, max(1, MAX_ROWS // triton.next_power_of_2(hq // h * lq)))
+    splits = config.splits or default_splits(b, h, n_blocks, bpi, _sm_count(q.device))
+    return dataclasses.replace(config, blocks_per_iter=bpi, splits=splits)
+
+
 def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: float | None = None,
                          config: DecodeConfig | None = None) -> Tensor:
     """Launch the decode kernel: ``q`` ``[B, Hq, Lq, D]`` over the FlashQ storage ``t``
@@ -341,25 +550,25 @@ def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: f
     CPU tensors run under the Triton interpreter (``TRITON_INTERPRET=1``, tests).
     """
     interpreted(q.device)
-    config = config or DecodeConfig()
+    config = resolve(config or DecodeConfig(), q, t)
     b, hq, lq, d = q.shape
-    _, _, h, n_blocks, _ = t.step.shape
+    h = t.step.shape[2]
     group = hq // h
     if q.stride(-1) != 1:
         q = q.contiguous()
-    block_m = max(16, triton.next_power_of_2(group * lq))
-    quarter = d // 4
-    quarter_block = max(16, triton.next_power_of_2(quarter))
-    splits = config.splits or default_splits(b, h, n_blocks)
+    glp = triton.next_power_of_2(group * lq)
+    bpi, splits = config.blocks_per_iter, config.splits
+    d_out = triton.next_power_of_2(d)
     kind, mask, (sm_b, sm_h, sm_q, sm_k), mask_len = _mask_args(attn_mask, q, q.device)
-    part_o = torch.empty(b, h, splits, block_m, 4, quarter_block, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, h, splits, block_m, 2, dtype=torch.float32, device=q.device)
+    parts = splits + 1  # the last program along the split axis takes the INT8 buffer
+    part_o = torch.empty(b, h, parts, glp, d_out, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(b, h, parts, glp, 2, dtype=torch.float32, device=q.device)
     tau = d**-0.5 if scale is None else scale
     c4, c2 = t.codes4, t.codes2
     # zero-size code tensors (no INT4 or no INT2 heads) are never read: pass the other one
     c4 = c4 if c4.numel() else c2
     c2 = c2 if c2.numel() else c4
-    _flashq_decode_kernel[(h, splits, b)](
+    _flashq_decode_kernel[(h, parts, b)](
         q, q.stride(0), q.stride(1), q.stride(2),
         c4, c4.stride(0), c4.stride(1), c4.stride(2), c4.stride(3),
         c2, c2.stride(0), c2.stride(1), c2.stride(2), c2.stride(3),
@@ -371,14 +580,18 @@ def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: f
         t.length,
         mask, sm_b, sm_h, sm_q, sm_k, mask_len,
         part_o, part_ml,
-        tau * _LOG2E, group, lq, quarter, t.buf.shape[-2],
-        BLOCK_M=block_m, QB=quarter_block, BLOCK_N=KV_CACHE_BLOCK, MASK_KIND=kind,
+        tau * _LOG2E, t.buf.shape[-2],
+        HEAD_DIM=d, DO=d_out, G=group, LQ=lq, GLP=glp, BPI=bpi, BLOCK_N=KV_CACHE_BLOCK, MASK_KIND=kind,
+        WP4=padded_words(d, 4), WP2=padded_words(d, 2), WORDS4=_word_rows(c4), WORDS2=_word_rows(c2),
+        BIASED=config.codes == "biased", HAS4=t.heads4.numel() > 0, HAS2=t.heads2.numel() > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     out = torch.empty(b, hq, lq, d, dtype=q.dtype, device=q.device)
-    _combine_kernel[(h, b)](
+    parts_p2 = triton.next_power_of_2(parts)
+    cols = max(1, min(d_out, _COMBINE_TILE // (parts_p2 * glp)))
+    _combine_kernel[(h, b, d_out // cols)](
         part_o, part_ml, out, out.stride(0), out.stride(1), out.stride(2),
-        h, splits, group, lq, quarter,
-        BLOCK_M=block_m, QB=quarter_block, num_warps=4,
+        h, parts,
+        HEAD_DIM=d, DO=d_out, G=group, LQ=lq, GLP=glp, PARTS=parts_p2, COLS=cols, num_warps=4,
     )
     return out
