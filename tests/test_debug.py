@@ -212,7 +212,7 @@ def test_explain_table_has_one_row_per_site(typo_diff):
             assert cell in cells or f" {cell} " in row
         assert format_shapes(report.shapes) in row
     assert "*self_attn" in rows[0]
-    assert rows[0].endswith("int_flash  reference (CPU) int_flash qk=int8/token p=int8 v=int8/tensor")
+    assert rows[0].endswith("int_flash  reference (CPU) int_flash qk=int8/token p=int8 v=int8/tensor smooth=k")
     assert re.search(r"\snone\s+left alone: ", rows[1])
     assert "1 of 2 attention site(s) rewritten, 1 left alone, 0 fell back" in explanation.format()
     assert explanation.unmatched_rules() == [TYPO_LINE]
@@ -255,9 +255,13 @@ def test_kernel_variant():
         mask_kind="none", gqa_group=1, preset="int_flash", options={"v_granularity": "tensor"},
         rule="default", rule_index=None, status=REWRITTEN, reason="", execution="triton",
     )
-    assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8 v=int8/tensor"
+    assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8 v=int8/tensor smooth=off"
+    report.options = {"v_granularity": "tensor", "smooth_k": True}
+    assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8 v=int8/tensor smooth=k"
     report.preset, report.options = "sage2_4b", {"qk_granularity": "block", "smooth_k": True, "smooth_q": False}
     assert kernel_variant(report) == "triton sage2_4b qk=int4/block p=fp8 v=fp8/channel smooth=k"
+    report.options = {**report.options, "pv": "fp16"}
+    assert kernel_variant(report) == "triton sage2_4b qk=int4/block p=fp16 v=fp16 smooth=k"
     report.status = FALLBACK
     assert kernel_variant(report) == "-"
 

@@ -12,7 +12,8 @@ EXECUTION_LABELS = {"triton": "triton", "reference": "reference (CPU)"}
 
 def _sage_formats(options: dict, bits: str) -> str:
     smooth = ",".join(t for t in ("q", "k", "v") if options.get(f"smooth_{t}")) or "off"
-    return f"qk={bits}/{options.get('qk_granularity')} p=fp8 v=fp8/channel smooth={smooth}"
+    pv = "p=fp8 v=fp8/channel" if options.get("pv", "fp8") == "fp8" else "p=fp16 v=fp16"
+    return f"qk={bits}/{options.get('qk_granularity')} {pv} smooth={smooth}"
 
 
 def _fmha_formats(options: dict) -> str:
@@ -28,7 +29,8 @@ def _turbo_formats(options: dict) -> str:
 
 QUANT_FORMATS = {
     "flash": lambda o: "exact (input dtype, fp32 accumulation)",
-    "int_flash": lambda o: f"qk=int8/token p=int8 v=int8/{o.get('v_granularity')}",
+    "int_flash": lambda o: (f"qk=int8/token p=int8 v=int8/{o.get('v_granularity')}"
+                            f" smooth={'k' if o.get('smooth_k') else 'off'}"),
     "fmha_int8": _fmha_formats,
     "sage2_8b": lambda o: _sage_formats(o, "int8"),
     "sage2_4b": lambda o: _sage_formats(o, "int4"),
