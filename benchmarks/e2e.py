@@ -8,7 +8,8 @@ The model: hidden 2048, 32 query / 8 key-value heads, head dim 64, MLP 8192, ``-
 decoder layers (8 by default, as in DESIGN.md §6), random bf16 weights, batch 1, run as
 ``model.model(input_ids)`` (no LM head). Reported per sequence length: median latency
 (``triton.testing.do_bench``), peak memory, and the cosine of the last hidden state against
-eager.
+eager. ``--options '{"pv": "fp16"}'`` passes preset options; ``--profile`` adds, per mode at
+the longest length, the torch.profiler table of one call (GPU time per kernel).
 """
 
 from __future__ import annotations
@@ -49,18 +50,32 @@ def measure(fn, ids) -> dict:
     return {"ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}, out
 
 
+def profile_table(fn, ids) -> str:
+    """GPU time per kernel of one prefill call (after the measured warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(input_ids=ids, use_cache=False)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="e2e.json")
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--preset", default="sage2_8b")
+    parser.add_argument("--options", default="{}", help="preset options as JSON")
     parser.add_argument("--modes", nargs="+", default=["eager", "inductor", "qattn"])
+    parser.add_argument("--profile", action="store_true", help="profile each mode at max --seq")
     args = parser.parse_args()
+    options = json.loads(args.options)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model = build_model(args.layers)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "preset": args.preset, "rows": []}
+               "date": time.strftime("%Y-%m-%d"), "preset": args.preset, "options": options,
+               "rows": []}
     for n in args.seq:
         ids = torch.randint(0, 32000, (1, n), device="cuda")
         reference = None
@@ -71,7 +86,8 @@ def main() -> None:
             elif mode == "inductor":
                 fn = torch.compile(model)
             else:
-                be = qattn_compile.backend({"qattn": 1, "default": args.preset})
+                be = qattn_compile.backend({"qattn": 1, "default": args.preset,
+                                            "default_options": options})
                 fn = torch.compile(model, backend=be)
             row = {"mode": mode, "n": n}
             try:
@@ -80,6 +96,9 @@ def main() -> None:
                 if reference is None:
                     reference = out
                 row["cos_vs_first"] = compare(out, reference)["cos"]
+                if args.profile and n == max(args.seq):
+                    row["profile"] = profile_table(fn, ids)
+                    log.info("profile %s N=%d\n%s", mode, n, row["profile"])
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             results["rows"].append(row)

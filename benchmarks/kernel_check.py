@@ -5,8 +5,8 @@ Usage (on the GPU machine, from the repository root)::
     PYTHONPATH=. python benchmarks/kernel_check.py --out kernel_check.json
 
 1. Accuracy, a same-run comparison with the peers at equal bit widths: for every preset
-   (plus ``int_flash smooth_k=false`` = INT-FlashAttention's own math and ``sage2_8b
-   pv=fp16``) × {N(0,1), K channel outliers} × D ∈ {64, 128} at N=2048 (B=1, H=8, bf16
+   (plus ``int_flash`` and ``fmha_int8`` with the papers' row range of P, ``int_flash
+   paper`` = INT-FlashAttention's own math, and ``sage2_8b pv=fp16``) × {N(0,1), K channel outliers} × D ∈ {64, 128} at N=2048 (B=1, H=8, bf16
    inputs): cosine similarity, relative L1 and RMSE of the kernel and of the reference
    (:func:`qattn_compile.reference.reference_attention`) against fp64 exact attention, and
    SageAttention 1.0.6 (``sageattn``, when ``import sageattention`` works) on the same inputs.
@@ -18,7 +18,8 @@ Usage (on the GPU machine, from the repository root)::
    materialized bool causal mask transformers passes): median ``triton.testing.do_bench``
    time of the whole call (quantizers + attention), of the attention kernel alone on
    prepared operands, and of torch SDPA; TOPS = 4·B·H·N²·D / t (halved when causal).
-3. ``--sweep``: attention-kernel time of a few tile configs (the data behind the heuristics).
+
+Tile configs are swept by ``benchmarks/sweep.py`` (which also checks every config's output).
 
 A preset that fails is reported (error text in the JSON) and the others go on. The table is
 printed last; the JSON holds every number plus the torch/triton versions and the device.
@@ -36,7 +37,6 @@ import triton
 from triton.testing import do_bench
 
 from qattn_compile.kernels import kernel_attention, prepare_attention
-from qattn_compile.kernels.heuristics import AttentionConfig
 from qattn_compile.reference import exact_attention, reference_attention
 
 PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", "fp8")
@@ -51,19 +51,16 @@ VARIANTS: tuple[tuple[str, str, dict, str], ...] = (
     # (row label, preset, options, peer at the same bit widths)
     ("flash", "flash", {}, NO_PEER),
     ("int_flash", "int_flash", {}, INT_FA),
-    ("int_flash smooth_k=false", "int_flash", {"smooth_k": False}, INT_FA),
+    ("int_flash p_scale=row", "int_flash", {"p_scale": "row"}, INT_FA),
+    ("int_flash paper", "int_flash", {"p_scale": "row", "smooth_k": False}, INT_FA),
     ("fmha_int8", "fmha_int8", {}, NO_PEER),
+    ("fmha_int8 p_scale=row", "fmha_int8", {"p_scale": "row"}, NO_PEER),
     ("sage2_8b", "sage2_8b", {}, NO_PEER),
     ("sage2_8b pv=fp16", "sage2_8b", {"pv": "fp16"}, SAGEATTN),
     ("sage2_4b", "sage2_4b", {}, NO_PEER),
     ("turbo", "turbo", {}, NO_PEER),
     ("fp8", "fp8", {}, NO_PEER),
 )
-SWEEP_PRESETS = ("flash", "int_flash", "sage2_8b", "fp8")
-SWEEP_CONFIGS = (  # (block_m, block_n, num_warps, num_stages) candidates for the D=128 table
-    (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
-)
-
 
 def make_inputs(b, h, n, d, data, dtype=torch.bfloat16, seed=0):
     """q, k, v ``[b, h, n, d]`` on the GPU: N(0,1), or with K channel outliers (every 8th
@@ -136,7 +133,10 @@ def accuracy_rows(n: int) -> list[dict]:
                 try:
                     out = kernel_attention(q, k, v, preset=preset, options=options)
                     row["kernel"] = metrics(out, exact)
-                    ref = reference_attention(q, k, v, preset=preset, options=options)
+                    key_tile = prepare_attention(q, k, v, preset=preset,
+                                                 options=options).cfg.block_n
+                    ref = reference_attention(q, k, v, preset=preset, options=options,
+                                              key_tile=key_tile)
                     row["reference"] = metrics(ref, exact)
                 except Exception as exc:  # keep going: one broken preset must not hide the rest
                     row["error"] = f"{type(exc).__name__}: {exc}"
@@ -189,24 +189,6 @@ def timing_rows(b: int, h: int, n: int, d: int, mode: str) -> list[dict]:
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
         rows.append(row)
-    return rows
-
-
-def sweep_rows(b: int, h: int, n: int, d: int) -> list[dict]:
-    """Attention-kernel time of :data:`SWEEP_CONFIGS` for :data:`SWEEP_PRESETS` (the data
-    behind :mod:`qattn_compile.kernels.heuristics`)."""
-    q, k, v = make_inputs(b, h, n, d, "normal")
-    rows = []
-    for preset in SWEEP_PRESETS:
-        for cfg in SWEEP_CONFIGS:
-            row = {"impl": preset, "config": cfg}
-            try:
-                call = prepare_attention(q, k, v, preset=preset, config=AttentionConfig(*cfg))
-                ms = do_bench(call.run, return_mode="median")
-                row.update(kernel_ms=ms, kernel_tops=tops(b, h, n, d, ms))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"
-            rows.append(row)
     return rows
 
 
@@ -272,12 +254,6 @@ def print_tables(result: dict) -> None:
     """The accuracy and timing tables as plain text."""
     print(f"\n{result['device']} | torch {result['torch']} | triton {result['triton']}")
     print_accuracy(result["accuracy"])
-    for r in result.get("sweep", []):
-        if "error" in r:
-            print(f"sweep {r['impl']:10s} {r['config']} ERROR {r['error'][:100]}")
-        else:
-            print(f"sweep {r['impl']:10s} {r['config']} {r['kernel_ms']:8.3f} ms "
-                  f"{r['kernel_tops']:7.1f} TOPS")
     for name, rows in result["timing"].items():
         print(f"\ntiming {name}")
         print(f"{'impl':11s} {'ms':>8s} {'TOPS':>7s} | {'kernel ms':>9s} {'TOPS':>7s}")
@@ -299,7 +275,6 @@ def main() -> None:
     parser.add_argument("--bench-n", type=int, default=4096, help="sequence length of the timings")
     parser.add_argument("--masks", default="none", help="comma list of timing modes: none, "
                         "causal, hf_mask (materialized [B,1,N,N] bool causal mask)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep tile configs (D=128)")
     parser.add_argument("--profile", default="", help="comma list of presets to profile")
     parser.add_argument("--skip-accuracy", action="store_true", help="timings only")
     args = parser.parse_args()
@@ -331,9 +306,6 @@ def main() -> None:
             print(entry.get("table", entry.get("error")))
     for mode in [m for m in args.masks.split(",") if m]:
         result["timing"][f"{mode} {name}"] = timing_rows(*shape, mode)
-        save()
-    if args.sweep:
-        result["sweep"] = sweep_rows(*shape)
         save()
     print_tables(result)
 

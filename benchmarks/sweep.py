@@ -3,6 +3,7 @@
 Usage (GPU machine, repository root)::
 
     PYTHONPATH=. python benchmarks/sweep.py --out sweep.json [--n 8192] [--dims 128 64]
+        [--causal no|yes|both] [--presets ...] [--configs ...] [--options '{"pv": "fp16"}']
 
 For every preset and head dim, each candidate :class:`AttentionConfig` (tile, warps, stages,
 TMA descriptors) runs the attention kernel alone on prepared operands
@@ -31,12 +32,15 @@ CANDIDATES = {  # name -> (block_m, block_n, num_warps, num_stages, tma)
     "ptr 128x128 w8 s2": (128, 128, 8, 2, False),
     "tma 128x64 w8 s3": (128, 64, 8, 3, True),
     "tma 128x128 w8 s2": (128, 128, 8, 2, True),
+    "ptr 128x64 w4 s3": (128, 64, 4, 3, False),
+    "ptr 64x64 w4 s3": (64, 64, 4, 3, False),
+    "tma 128x64 w4 s3": (128, 64, 4, 3, True),
 }
 
 
-def run_one(preset, q, k, v, causal, cfg) -> tuple[torch.Tensor, float]:
+def run_one(preset, options, q, k, v, causal, cfg) -> tuple[torch.Tensor, float]:
     """(output, median ms) of the attention kernel alone with launch config ``cfg``."""
-    call = prepare_attention(q, k, v, None, causal, None, preset, None, config=cfg)
+    call = prepare_attention(q, k, v, None, causal, None, preset, options, config=cfg)
     out = call.run()
     return out, do_bench(call.run, warmup=25, rep=100)
 
@@ -48,12 +52,16 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--causal", default="no", help="no, yes or both")
+    parser.add_argument("--configs", nargs="+", default=list(CANDIDATES), choices=CANDIDATES,
+                        help="candidate names (the first is the baseline outputs compare to)")
+    parser.add_argument("--options", default="{}", help="preset options as JSON (all presets)")
     args = parser.parse_args()
+    options = json.loads(args.options) or None
     b, h, n = 4, 32, args.n
     causal_modes = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = []
     meta = {"torch": torch.__version__, "triton": triton.__version__,
-            "device": torch.cuda.get_device_name(), "b": b, "h": h, "n": n}
+            "device": torch.cuda.get_device_name(), "b": b, "h": h, "n": n, "options": options}
     for d in args.dims:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -62,12 +70,13 @@ def main() -> None:
             for preset in args.presets:
                 default = attention_config(preset, d, q.device, q.dtype)
                 base_out = None
-                for name, (bm, bn, warps, stages, tma) in CANDIDATES.items():
+                for name in args.configs:
+                    bm, bn, warps, stages, tma = CANDIDATES[name]
                     cfg = AttentionConfig(bm, bn, warps, stages, tma=tma)
                     row = {"d": d, "causal": causal, "preset": preset, "config": name,
                            "is_default": cfg == default}
                     try:
-                        out, ms = run_one(preset, q, k, v, causal, cfg)
+                        out, ms = run_one(preset, options, q, k, v, causal, cfg)
                         if base_out is None:
                             base_out = out
                         row["max_diff_vs_first"] = (out.float() - base_out.float()).abs().max().item()
@@ -81,7 +90,7 @@ def main() -> None:
                     with open(args.out, "w") as f:
                         json.dump({"meta": meta, "rows": rows}, f, indent=1)
                 print(f"default for {preset} D={d}: {default}", flush=True)
-    names = list(CANDIDATES)
+    names = args.configs
     for d in args.dims:
         for causal in causal_modes:
             print(f"\nD={d} causal={causal} N={n}: TOPS (kernel only)")

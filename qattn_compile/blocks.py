@@ -19,6 +19,11 @@ QUANT_WARP_Q = 16
 QUANT_BLOCK_Q = 128
 QUANT_BLOCK_KV = 64
 SMOOTH_Q_BLOCK = QUANT_BLOCK_Q  # tokens that share one q̄ in SageAttention2's Q smoothing
+P_KEY_TILE = 64
+"""Keys per tile over which the reference takes integer P's max under ``p_scale: tile``
+when the caller does not pass the kernel's key tile (``key_tile``). A kernel's tile is its
+``block_n`` from :mod:`qattn_compile.kernels.heuristics` (64 or 128 on GPUs, 32 under the
+interpreter); tests pass it so that reference and kernel quantize P over the same keys."""
 KV_CACHE_BLOCK = QUANT_BLOCK_KV  # tokens per FlashQ KV-cache block (turbo's B_c: the prefill's INT8 groups)
 
 

@@ -20,11 +20,20 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     = amax/127). Scores ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m,
     ``P̂ = round(127·exp(S − m))`` in [0, 127] and ``l = Σ P̂`` (summed from the quantized
     P). V: symmetric INT8 per tensor (paper) or per block of V tokens
-    (``v_granularity: block``). ``O = (P̂·V̂)·s_v / l``.
+    (``v_granularity: block``). ``O = (P̂·V̂)·s_v / l``. P's range, ``p_scale``:
+
+    - ``tile`` (default): each key tile of a row is quantized against its own max
+      ``m_t``: ``P̂ = round(127·exp(S − m_t))`` and the tile's ``P̂·V̂`` and ``ΣP̂`` enter
+      O and l weighted by ``exp(m_t − m)``. A tile whose scores sit below the row max then
+      keeps all 127 levels instead of a few (the kernel applies the weight to its
+      accumulator, one multiply per output element per tile). The key tile is the
+      kernel's ``block_n``.
+    - ``row``: the paper's single range per row (the running max in a kernel).
 ``fmha_int8``
     INT8 FMHA. Q, K, V: symmetric INT8 per tensor with scales α/127 (α = amax, dynamic, or
     calibrated, static). ``P̂ = clamp(round(255·exp(S − m)), 0, 255)`` (UINT8 semantics),
-    ``l = Σ P̂``, ``O = (P̂·V̂)·s_v / l``; with ``quantize_output`` O is re-quantized to INT8
+    ``l = Σ P̂``, ``O = (P̂·V̂)·s_v / l``; ``p_scale`` as for ``int_flash`` (``tile``, the
+    default, quantizes P per key tile against the tile's max); with ``quantize_output`` O is re-quantized to INT8
     with α_o/127 (α_o = amax(O), or calibrated) and dequantized. Dynamic α is taken per
     (batch, head); static α is one value per head (``static_scales``: ``q``/``o`` per query
     head, ``k``/``v`` per kv head), recorded by ``qattn calibrate`` and filled into each
@@ -85,6 +94,13 @@ class NoOptions(PresetOptions):
     """Presets without options (``none``, ``flash``)."""
 
 
+PScale = Literal["tile", "row"]
+_P_SCALE_HELP = (
+    "Integer P's range: per key tile against the tile's max, weighted by exp(m_tile − m) "
+    "(tile), or per row against the row max (row: the paper's math)."
+)
+
+
 class IntFlashOptions(PresetOptions):
     """Options of ``int_flash`` (INT-FlashAttention)."""
 
@@ -94,6 +110,7 @@ class IntFlashOptions(PresetOptions):
     smooth_k: bool = Field(
         True, description="Subtract K's per-channel token mean (exact; false: the paper's math)."
     )
+    p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
 
 
 class StaticScales(BaseModel):
@@ -146,6 +163,7 @@ class FmhaInt8Options(PresetOptions):
         None, description="Path of a scales file written by `qattn calibrate` (static mode)."
     )
     quantize_output: bool = Field(False, description="Re-quantize O to INT8 with α_o/127.")
+    p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
     static_scales: StaticScales | None = Field(
         None,
         description="Per-site calibrated α (static mode), filled in from `calibration` when "

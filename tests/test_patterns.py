@@ -611,6 +611,69 @@ def test_transformers_causal_mask_becomes_is_causal(padded):
     torch.testing.assert_close(got, expected, **EXACT)
 
 
+def test_transformers_mask_without_attention_mask_is_erased():
+    """No ``attention_mask`` (a prefill of one sequence): under torch.compile transformers
+    ANDs its packed-sequence term ``seq[q] == seq[kv]`` into the mask, ``seq`` computed from
+    ``arange`` position ids; it is proven always true, so the op gets ``is_causal`` and no
+    mask at all."""
+    bundle = tiny_llama()
+    del bundle.kwargs["attention_mask"]
+    rec = Recorder()
+    expected, got = _run_bundle(bundle, rec)
+    assert [(r.status, r.mask_kind, r.causal_from_mask) for r in rec.reports] == [
+        (REWRITTEN, "causal", True)
+    ] * 2
+    assert [_op_mask_and_causal(op) for op in _op_nodes(rec)] == [(None, True)] * 2
+    assert rec.count(_is_square_bool_mask) == 0
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+class PackedSequenceCausal(nn.Module):
+    """SDPA with transformers' packed-sequence term ANDed to a causal one:
+    ``seq = cumsum(diff(pos, prepend=pos[:, :1] - prepend_gap) != 1)``, ``seq[q] == seq[kv]``.
+    ``positions``: ``arange`` (one sequence) or ``two`` (a run-time tensor holding two
+    packed sequences, ``0..L/2-1`` twice)."""
+
+    def __init__(self, positions: str = "arange", prepend_gap: int = 1):
+        super().__init__()
+        self.positions, self.prepend_gap = positions, prepend_gap
+
+    def forward(self, q, k, v, keep, bias):
+        idx, batch = torch.arange(L), torch.arange(1)
+        pos = idx.unsqueeze(0)
+        if self.positions == "two":
+            pos = (bias[:1, 0, 0].argsort(-1) * 0 + idx) % (L // 2)  # data-dependent: unproven
+        first = pos[:, :1] - self.prepend_gap
+        seq = (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1)
+        rows, cols = batch[:, None, None, None], idx[None, None, :, None]
+        same = seq[rows, cols] == seq[rows, idx[None, None, None, :]]
+        mask = same & (idx[None, None, None, :] <= idx[None, None, :, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(B, 1, L, L))
+
+
+def test_single_sequence_packed_term_is_dropped():
+    expected, got, rec = run_compiled(PackedSequenceCausal(), *attention_inputs())
+    (op,) = _op_nodes(rec)
+    assert _op_mask_and_causal(op) == (None, True)
+    assert rec.reports[0].mask_kind == "causal"
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+@pytest.mark.parametrize(
+    "module", [PackedSequenceCausal("two"), PackedSequenceCausal(prepend_gap=2)],
+    ids=["two packed sequences", "prepend gap 2"],
+)
+def test_unproven_packed_term_is_kept(module):
+    """Positions from a tensor (two sequences), or a prepend the proof does not cover: the
+    packed term stays a ``[.., L, L]`` mask next to ``is_causal``, and the output is exact."""
+    expected, got, rec = run_compiled(module, *attention_inputs())
+    (op,) = _op_nodes(rec)
+    mask, is_causal = _op_mask_and_causal(op)
+    assert is_causal is True and tuple(mask.meta["example_value"].shape)[-2:] == (L, L)
+    assert rec.reports[0].mask_kind == "causal+packed"
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
 def _is_square_bool_mask(node) -> bool:
     """Whether ``node`` computes a bool ``[..., 24, 24]`` tensor (the tiny Llama's full mask)."""
     val = tensor_value(node)

@@ -317,11 +317,21 @@ def _mask_with_empty_row(lq, lkv):
     return mask
 
 
-@pytest.mark.parametrize("preset,p_max", [("int_flash", 127), ("turbo", 127), ("fmha_int8", 255)])
-def test_integer_p(preset, p_max):
+@pytest.mark.parametrize(
+    "preset,options,p_max",
+    [
+        ("int_flash", {"p_scale": "row"}, 127),
+        ("int_flash", {"p_scale": "tile"}, 127),
+        ("turbo", None, 127),
+        ("fmha_int8", {"p_scale": "row"}, 255),
+        ("fmha_int8", {"p_scale": "tile"}, 255),
+    ],
+)
+def test_integer_p(preset, options, p_max):
     q, k, _ = qkv(lq=70, lkv=90, d=64)
     mask = _mask_with_empty_row(70, 90)
-    parts = quantized_probs(q, k, attn_mask=mask, is_causal=True, preset=preset)
+    parts = quantized_probs(q, k, attn_mask=mask, is_causal=True, preset=preset,
+                            options=options, key_tile=32)
     p, row_sum = parts.p, parts.l
     visible = mask & torch.ones(70, 90, dtype=torch.bool).tril()
     assert parts.unit == 1.0
@@ -329,8 +339,44 @@ def test_integer_p(preset, p_max):
     assert torch.equal(p[~visible.expand_as(p)], torch.zeros_like(p[~visible.expand_as(p)]))
     has_key = visible.any(-1).expand(p.shape[:-1])
     assert torch.equal(p.amax(-1)[has_key], torch.full_like(p.amax(-1)[has_key], p_max))
-    assert torch.equal(row_sum[..., 0], p.sum(-1))
+    weighted = p if parts.weight is None else p * parts.weight
+    assert (parts.weight is not None) == ((options or {}).get("p_scale") == "tile")
+    assert torch.equal(row_sum[..., 0], weighted.sum(-1))
     assert torch.equal(row_sum[0, :, 4], torch.zeros_like(row_sum[0, :, 4]))
+
+
+@pytest.mark.parametrize("preset,p_max", [("int_flash", 127), ("fmha_int8", 255)])
+def test_tile_p_scale_quantizes_each_key_tile_against_its_max(preset, p_max):
+    """``p_scale: tile``: every key tile with a visible key reaches ``p_max`` at its own
+    max, and its weight is ``exp(m_t − m)``: 1 on the tile holding the row max, below 1
+    elsewhere, constant within a tile."""
+    q, k, _ = qkv(lq=40, lkv=100, d=64)
+    mask = _mask_with_empty_row(40, 100)
+    parts = quantized_probs(q, k, attn_mask=mask, preset=preset, key_tile=32)
+    x = quantized_scores(q, k, preset).scores(torch.float64)
+    x = x.masked_fill(~mask, -math.inf)
+    p, w = parts.p[0], parts.weight[0]
+    for t0 in range(0, 100, 32):
+        tile_p, tile_w, tile_x = p[..., t0:t0 + 32], w[..., t0:t0 + 32], x[0, ..., t0:t0 + 32]
+        live = (tile_x > -math.inf).any(-1)
+        assert torch.equal(tile_p.amax(-1)[live], torch.full_like(tile_p.amax(-1)[live], p_max))
+        assert torch.equal(tile_w.amin(-1)[live], tile_w.amax(-1)[live])
+        want = torch.exp(tile_x.amax(-1) - x[0].amax(-1))[live]
+        torch.testing.assert_close(tile_w[..., 0][live], want, rtol=1e-5, atol=0)
+    assert torch.equal(w.amax(-1)[mask[0, 0].any(-1).expand(w.shape[:-1])],
+                       torch.ones_like(w.amax(-1)[mask[0, 0].any(-1).expand(w.shape[:-1])]))
+
+
+@pytest.mark.parametrize("preset", ["int_flash", "fmha_int8"])
+def test_tile_p_scale_beats_row_scale_on_long_rows(preset):
+    """Over rows of many key tiles most tiles sit below the row max; quantizing each against
+    its own max keeps P's resolution there (the default); the paper's row range loses it."""
+    q, k, v = qkv(hq=2, lq=64, lkv=1024, d=64)
+    exact = exact_attention(q, k, v)
+    tile = rel_l1(reference_attention(q, k, v, preset=preset, key_tile=64), exact)
+    row = rel_l1(reference_attention(q, k, v, preset=preset, options={"p_scale": "row"}), exact)
+    # fmha_int8's per-tensor Q/K/V scales leave P a smaller share of its error.
+    assert tile < {"int_flash": 0.8, "fmha_int8": 0.9}[preset] * row, (tile, row)
 
 
 def test_turbo_sas_threshold_zeroes_p():
@@ -399,10 +445,10 @@ def test_int_flash_smooth_k_scores_math(smooth_k):
 def test_int_flash_output_formula():
     """O = (P̂·V̂)·s_v / l with per-tensor INT8 V, recomputed from the public pieces."""
     q, k, v = qkv(lq=33, lkv=47, d=32)
-    p = quantized_probs(q, k, preset="int_flash")
+    p = quantized_probs(q, k, preset="int_flash", key_tile=32)
     v_q, v_scale = quant.quantize_int(v, v.shape[2], 8)
-    want = (p.p @ v_q.double()) * v_scale.double()[..., None] / p.l
-    got = reference_attention(q, k, v, preset="int_flash")
+    want = ((p.p * p.weight) @ v_q.double()) * v_scale.double()[..., None] / p.l
+    got = reference_attention(q, k, v, preset="int_flash", key_tile=32)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
 
 

@@ -36,7 +36,7 @@ MASK_KINDS = {
     "t5": {"padding+additive", "causal+additive", "padding"},
     "clip_text": {"causal+padding"},
     "clip_vision": {"none"},
-    "whisper": {"none", "causal+packed"},
+    "whisper": {"none", "causal"},  # its decoder gets no attention_mask: one sequence
 }
 
 

@@ -18,7 +18,7 @@ def _sage_formats(options: dict, bits: str) -> str:
 
 def _fmha_formats(options: dict) -> str:
     out = " o=int8" if options.get("quantize_output") else ""
-    return f"qkv=int8/tensor ({options.get('scales')}) p=uint8{out}"
+    return f"qkv=int8/tensor ({options.get('scales')}) p=uint8/{options.get('p_scale')}{out}"
 
 
 def _turbo_formats(options: dict) -> str:
@@ -29,7 +29,8 @@ def _turbo_formats(options: dict) -> str:
 
 QUANT_FORMATS = {
     "flash": lambda o: "exact (input dtype, fp32 accumulation)",
-    "int_flash": lambda o: (f"qk=int8/token p=int8 v=int8/{o.get('v_granularity')}"
+    "int_flash": lambda o: (f"qk=int8/token p=int8/{o.get('p_scale')}"
+                            f" v=int8/{o.get('v_granularity')}"
                             f" smooth={'k' if o.get('smooth_k') else 'off'}"),
     "fmha_int8": _fmha_formats,
     "sage2_8b": lambda o: _sage_formats(o, "int8"),
@@ -41,7 +42,7 @@ QUANT_FORMATS = {
 
 
 def kernel_variant(report: SiteReport) -> str:
-    """What serves a rewritten site, e.g. ``triton int_flash qk=int8/token p=int8 v=int8/tensor``.
+    """What serves a rewritten site, e.g. ``triton int_flash qk=int8/token p=int8/tile v=int8/tensor``.
 
     ``-`` for a site that was not rewritten.
     """

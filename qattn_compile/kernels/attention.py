@@ -13,6 +13,9 @@ softmax scale and log2(e) are folded into Q's scale). Switches:
   :data:`P_UINT8` (``round(255·P)``, fed to the signed dot as ``P − 128`` plus an exact
   ``128·colsum(V̂)`` correction), :data:`P_FP8` (``fp8(448·P)``). ``l`` is summed from the
   quantized P for the integer formats, from the float P before quantization otherwise.
+- ``P_TILE_MAX`` (integer P, ``p_scale: tile``): P is quantized against each tile's row max
+  ``m_t`` instead of the running max; the tile's ``P·V`` and row sum are weighted by
+  ``2^(m_t − m)``.
 - ``EXP_MODE``: :data:`EXP_HW` (``exp2``; P's scale folded into the exponent) or
   :data:`EXP_SAS` (TurboAttention's SAS: 2^floor by exponent bits × cubic on the fraction,
   scores below the threshold → 0, tiles with no score above it skipped).
@@ -300,8 +303,8 @@ def _tile_step(
     k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code,
     Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3,
     skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
-    QK_FMT: tl.constexpr, P_FMT: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
-    EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
+    QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr, V_FMT: tl.constexpr,
+    V_SCALE: tl.constexpr, EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
     BOUNDED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr,
     K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, CS_CHUNK: tl.constexpr, EXACT_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -353,7 +356,14 @@ def _tile_step(
         m_new = tl.maximum(m_i, m_tile)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
-        p, row_sum = softmax_probs(s - m_use[:, None], thr_log2, c0, c1, c2, c3, P_FMT,
+        if P_TILE_MAX:
+            # P against the tile's own max; its product and sum enter with 2^(m_tile − m)
+            # (0 for a row with no visible key in this tile).
+            p_shift = tl.where(m_tile == float("-inf"), 0.0, m_tile)
+            weight = tl.math.exp2(m_tile - m_use)
+        else:
+            p_shift = m_use
+        p, row_sum = softmax_probs(s - p_shift[:, None], thr_log2, c0, c1, c2, c3, P_FMT,
                                    EXP_MODE, EXACT_FP8)
         if USE_TMA and V_FMT == V_NATIVE:
             v = v_desc.load([start_n, 0])
@@ -369,6 +379,9 @@ def _tile_step(
         pv = pv_product(p, v, v_colsum, P_FMT, DOT_PRECISION)
         if V_SCALE == VS_TILE:
             pv = pv * tl.load(vs_base + (start_n // V_GROUP) * svsg)
+        if P_TILE_MAX:
+            pv = pv * weight[:, None]
+            row_sum = row_sum * weight
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + row_sum
         m_i = m_new
@@ -398,8 +411,9 @@ def attention_kernel(
     ssb, ssh, ssm, ssn,
     stb, sth, stm, stn,
     scnb, scnh, scnm,
-    QK_FMT: tl.constexpr, P_FMT: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
-    EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr, V_FMT: tl.constexpr,
+    V_SCALE: tl.constexpr, EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
     HAS_DS: tl.constexpr, SMOOTH_V: tl.constexpr,
     Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, DS_GROUP: tl.constexpr,
     CS_CHUNK: tl.constexpr,
@@ -468,7 +482,8 @@ def attention_kernel(
                 acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, k_desc, v_desc,
                 ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale,
                 thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
-                QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, False, IS_CAUSAL, HAS_DS,
+                QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, False, IS_CAUSAL,
+                HAS_DS,
                 K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
         for start_n in range(full_hi, hi, BLOCK_N):
@@ -476,7 +491,8 @@ def attention_kernel(
                 acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, k_desc, v_desc,
                 ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale,
                 thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
-                QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL, HAS_DS,
+                QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL,
+                HAS_DS,
                 K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
@@ -491,7 +507,8 @@ def attention_kernel(
                 acc, m_i, l_i, q, q2, q_scale, start_m, n_tile * BLOCK_N, k_base, v_base,
                 k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code, Lq, Lkv,
                 qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn,
-                scsc, QK_FMT, P_FMT, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL,
+                scsc, QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True,
+                IS_CAUSAL,
                 HAS_DS, K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 

@@ -57,13 +57,19 @@ _DIMS = (32, 64, 128, 256)
 # at D=128, 128×128 tiles with TMA loads, 8 warps, 2 stages are fastest or tied for every
 # preset (int_flash 511 vs 450 TOPS with 128×64 pointer loads, fp8 522 vs 466, sage2_4b 345 vs
 # 271, sage2_8b and flash tied); at D=64 the 128×64 pointer-load tiles stay (flash 397 vs
-# 309 with 128×128). 256-wide heads need 8 warps on a 64-row tile. Warp specialization is
-# not used: Triton 3.6 miscompiles our loop with it (benchmarks/NOTES.md).
+# 309 with 128×128). At D=64 the 8-bit dots want 4 warps: 128×64 TMA tiles, 4 warps, 3
+# stages beat 8 warps for sage2_8b (341 vs 248 TOPS non-causal, 322 vs 238 causal), int_flash
+# (336 vs 254, 315 vs 245) and fp8 (384 vs 289, 350 vs 265); fmha_int8 and sage2_4b (whose
+# loops do more vector work per tile) prefer the same tile with pointer loads (290 vs 272 and
+# 270 vs 258 TOPS), turbo too (198 vs 187). 256-wide heads need 8 warps on a 64-row tile.
+# Warp specialization is not used: Triton 3.6 miscompiles our loop with it
+# (benchmarks/NOTES.md).
 _SM90_D128 = AttentionConfig(128, 128, 8, 2, tma=True)
-_SM90_SMALL = AttentionConfig(128, 64, 8, 3)
+_SM90_8BIT_SMALL = AttentionConfig(128, 64, 4, 3, tma=True)
+_SM90_8BIT_SMALL_PTR = AttentionConfig(128, 64, 4, 3)
 _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
-    ("8bit", 32, "sm90"): _SM90_SMALL,
-    ("8bit", 64, "sm90"): _SM90_SMALL,
+    ("8bit", 32, "sm90"): _SM90_8BIT_SMALL,
+    ("8bit", 64, "sm90"): _SM90_8BIT_SMALL,
     ("8bit", 128, "sm90"): _SM90_D128,
     ("8bit", 256, "sm90"): AttentionConfig(64, 32, 8, 2),
     ("16bit", 32, "sm90"): AttentionConfig(128, 64, 4, 3),
@@ -89,8 +95,12 @@ _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
     ("32bit", 256, "sm80"): AttentionConfig(32, 32, 4, 1),
 }
 
-# Measured per-preset winners that differ from their family default (none at present).
-_MEASURED: dict[tuple[str, int, str], AttentionConfig] = {}
+# Measured per-preset winners that differ from their family default.
+_MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
+    (preset, dim, "sm90"): _SM90_8BIT_SMALL_PTR
+    for preset in ("fmha_int8", "sage2_4b", "turbo")
+    for dim in (32, 64)
+}
 
 
 def _family(preset: str, dtype: torch.dtype) -> str:

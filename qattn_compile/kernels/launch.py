@@ -58,7 +58,7 @@ class Operands:
     tokens, applied per tile) or per channel (``v_per_channel``); None for native V.
     ``delta_s``: float32 ``[B, Hq, n_blocks, Lkv]``; ``v_mean``: float32 ``[B, Hkv, 1, Dv]``;
     ``v_colsum``: int32 ``[B, Hkv, n_chunks, Dv]`` sums of V̂ per ``V_COLSUM_TOKENS`` tokens.
-    ``switches``: the format constexprs (QK_FMT, P_FMT, V_FMT, EXP_MODE).
+    ``switches``: the format constexprs (QK_FMT, P_FMT, P_TILE_MAX, V_FMT, EXP_MODE).
     """
 
     q: Tensor
@@ -82,9 +82,9 @@ class Operands:
 # ----------------------------------------------------------------------------- presets
 
 
-def _switches(qk: int, p: int, v: int, exp: int = 0) -> dict:
+def _switches(qk: int, p: int, v: int, exp: int = 0, p_tile_max: bool = False) -> dict:
     """The format constexprs of the kernel."""
-    return {"QK_FMT": qk, "P_FMT": p, "V_FMT": v, "EXP_MODE": exp}
+    return {"QK_FMT": qk, "P_FMT": p, "P_TILE_MAX": p_tile_max, "V_FMT": v, "EXP_MODE": exp}
 
 
 def _with_q(ops: Operands, qq: Quantized, kq: Quantized) -> Operands:
@@ -108,13 +108,15 @@ def _prepare_flash(q, k, v, opts, qk_mul, static) -> Operands:
 
 def _prepare_int_flash(q, k, v, opts, qk_mul, static) -> Operands:
     """INT-FlashAttention: K optionally smoothed (``smooth_k``), Q, K INT8 per token;
-    P = round(127·P); V INT8 per tensor/block."""
+    P = round(127·P) against the tile's or the running max (``p_scale``); V INT8 per
+    tensor/block."""
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes("token", lq, lkv)
     qq = quantize_int(q, gq, 8, scale_mul=qk_mul)
     kq = quantize_int(k, gk, 8, mean=smooth_mean(k) if opts.smooth_k else None)
     vq = quantize_int(v, group_sizes(opts.v_granularity, lq, lkv)[1], 8, transpose=True)
-    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8))
+    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8,
+                                                        p_tile_max=opts.p_scale == "tile"))
     return _with_v(_with_q(ops, qq, kq), vq)
 
 
@@ -126,7 +128,8 @@ def _prepare_fmha_int8(q, k, v, opts, qk_mul, static) -> Operands:
     qq = quantize_int(q, gq, 8, scale_mul=qk_mul, amax=amax("q"))
     kq = quantize_int(k, gk, 8, amax=amax("k"))
     vq = quantize_int(v, gk, 8, amax=amax("v"), transpose=True, colsum_chunk=V_COLSUM_TOKENS)
-    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_UINT8, ak.V_INT8))
+    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_UINT8, ak.V_INT8,
+                                                        p_tile_max=opts.p_scale == "tile"))
     ops.v_colsum = vq.colsum
     return _with_v(_with_q(ops, qq, kq), vq)
 

@@ -14,7 +14,9 @@ and for eager attention turned additive by ``torch.where(mask, 0, finfo.min)``):
   (positions from a user tensor, unequal offsets) is a plain ``bool`` mask;
 - ``sliding_window``: ``kv_idx > q_idx - w``;
 - ``padding``: a mask constant along the query axis (``[B, 1, 1, Lkv]``-shaped);
-- ``packed``: ``seq_id[q_idx] == seq_id[kv_idx]`` (transformers' packed-sequence mask);
+- ``packed``: ``seq_id[q_idx] == seq_id[kv_idx]`` (transformers' packed-sequence mask),
+  unless ``seq_id`` is proven to be one sequence (:func:`single_sequence`: positions
+  from ``torch.arange``), when the term is always true and dropped;
 - ``bool`` / ``additive``: anything else (a T5 position bias is ``additive``).
 
 Kinds found together are joined with ``+`` (``causal+padding``); no mask gives ``none``.
@@ -71,6 +73,9 @@ _SUB = Op((operator.sub, torch.sub), ("sub", "__sub__"))
 _ONES = Op((torch.ones, torch.ones_like), ("new_ones",))
 _ARANGE = Op((torch.arange,))
 _REPEAT = Op((), ("repeat",))
+_NE = Op((operator.ne, torch.ne), ("ne", "__ne__"))
+_DIFF = Op((torch.diff,), ("diff",))
+_CUMSUM = Op((torch.cumsum,), ("cumsum",))
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -326,6 +331,8 @@ def _bool_kinds(node) -> set[str]:
             continue
         if _GE(leaf) and _is_index(leaf.args[0]) and leaf.args[1] == 0:
             continue  # `q_idx >= 0`: transformers' always-true query term
+        if single_sequence(leaf):
+            continue  # a packed-sequence term over positions from arange: one sequence
         kind = _compare_kind(leaf) if isinstance(leaf, fx.Node) else None
         kinds.add(kind or ("padding" if _axis(leaf) == "kv" else "bool"))
     return kinds
@@ -402,10 +409,64 @@ def _keep_leaves(node) -> list:
     return [node]
 
 
+def _first_minus_one(node, positions) -> bool:
+    """Whether ``node`` is ``positions[:, ..., :1] - 1`` (each row's first entry, minus 1)."""
+    if not (_SUB(node) and len(node.args) == 2 and _int_constant(node.args[1]) == 1):
+        return False
+    first = node.args[0]
+    if not (GETITEM(first) and first.args[0] is positions):
+        return False
+    items = first.args[1] if isinstance(first.args[1], tuple) else (first.args[1],)
+    shape = shape_of(positions)
+    full = slice(None, None, None)
+    return (
+        shape is not None
+        and len(items) == len(shape)
+        and all(item == full for item in items[:-1])
+        and items[-1] in (slice(None, 1, None), slice(0, 1, None))
+    )
+
+
+def _unit_steps(node) -> bool:
+    """Whether ``node`` is ``torch.diff(p, prepend=p[..., :1] - 1, dim=-1)`` of ``p`` a
+    ``torch.arange`` along its last dim (:func:`_arange_of`): every entry is then 1."""
+    if not (_DIFF(node) and len(node.args) == 1):
+        return False
+    kwargs = dict(node.kwargs)
+    positions, prepend = node.args[0], kwargs.pop("prepend", None)
+    if kwargs.pop("dim", -1) != -1 or kwargs.pop("n", 1) != 1 or kwargs:
+        return False
+    index = _arange_of(positions)
+    return index is not None and index.dim == -1 and _first_minus_one(prepend, positions)
+
+
+def single_sequence(leaf) -> bool:
+    """Whether ``leaf`` is transformers' packed-sequence term ``seq[b, q_idx] ==
+    seq[b, kv_idx]`` with ``seq = cumsum(diff(positions, prepend=positions[:, :1] - 1) != 1)``
+    over positions proven to be ``torch.arange`` (:func:`_unit_steps`): every step is 1, so
+    ``seq`` is 0 everywhere, every gather of it equal, and the term True everywhere (one
+    sequence per batch row: what transformers builds under torch.compile, where it cannot
+    test for packing at run time)."""
+    if not (_EQ(leaf) and len(leaf.args) == 2 and not leaf.kwargs):
+        return False
+    a, b = leaf.args
+    if not (GETITEM(a) and GETITEM(b) and a.args[0] is b.args[0]):
+        return False
+    seq = a.args[0]
+    if not (_CUMSUM(seq) and seq.args):
+        return False
+    steps = seq.args[0]
+    return (
+        _NE(steps) and len(steps.args) == 2 and _int_constant(steps.args[1]) == 1
+        and _unit_steps(steps.args[0])
+    )
+
+
 def _always_true(leaf) -> bool:
-    """Whether a keep leaf is True everywhere: ``True``, a ``ones`` tensor, or
-    ``idx >= 0`` with ``idx`` a ``torch.arange`` from a non-negative offset."""
-    if leaf is True or _ONES(leaf):
+    """Whether a keep leaf is True everywhere: ``True``, a ``ones`` tensor, ``idx >= 0``
+    with ``idx`` a ``torch.arange`` from a non-negative offset, or a packed-sequence term
+    over one sequence (:func:`single_sequence`)."""
+    if leaf is True or _ONES(leaf) or single_sequence(leaf):
         return True
     if not (_GE(leaf) and len(leaf.args) == 2 and _int_constant(leaf.args[1]) == 0):
         return False

@@ -21,7 +21,10 @@ math). How it computes, so that kernel tests know what to compare:
 - Row max ``m`` over visible scores; ``x = S − m``; masked entries get ``x = −inf``, so their
   P is exactly 0 in every format.
 - INT P (``int_flash``/``turbo``: 127, ``fmha_int8``: 255): ``P̂ = clamp(round(qmax·E(x)),
-  0, qmax)`` with round half to even, ``l = ΣP̂`` (float64, exact). FP8 P (``sage2_*``
+  0, qmax)`` with round half to even, ``l = ΣP̂`` (float64, exact). With ``p_scale: tile``
+  (``int_flash``, ``fmha_int8``) ``x`` is taken against the max ``m_t`` of the row's key
+  tile (``key_tile`` keys, aligned at 0: the kernel's ``block_n``) and each P̂ carries the
+  weight ``w = exp(m_t − m)``: ``O = ((P̂·w)·V̂s) / Σ(P̂·w)``. FP8 P (``sage2_*``
   with ``pv: fp8``, ``fp8``): ``P̂ = fp8_e4m3(448·exp(x))``, ``l = Σ exp(x)`` (compute
   dtype). Native P (``flash``, ``sage2_*`` with ``pv: fp16``): ``P = exp(x)`` cast to V's
   dtype when that is fp16/bf16, ``l = Σ exp(x)`` before the cast; V is not quantized.
@@ -54,7 +57,7 @@ from typing import Mapping, NamedTuple
 import torch
 from torch import Tensor
 
-from ..blocks import SMOOTH_Q_BLOCK, group_sizes
+from ..blocks import P_KEY_TILE, SMOOTH_Q_BLOCK, group_sizes
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from . import quant, smooth
 from .sas import sas_exp
@@ -370,33 +373,56 @@ def _shifted(scores: Tensor, tau: float, bias: Tensor | None) -> tuple[Tensor, T
     return s - torch.where(visible, row_max, 0.0), visible
 
 
-def _probabilities(x: Tensor, preset: str, opts, p_dtype) -> tuple[Tensor, Tensor, float]:
-    """P from ``x = S − m`` per the preset: (P values, row sum ``l`` ``[..., 1]``, unit).
+def _tile_max(x: Tensor, key_tile: int) -> Tensor:
+    """Each entry's key-tile max of ``x`` ``[..., Lkv]`` (tiles of ``key_tile`` keys from 0),
+    same shape; 0 where the whole tile is ``-inf`` (masked)."""
+    lkv = x.shape[-1]
+    pad = -lkv % key_tile
+    tiles = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
+    tile_max = tiles.unflatten(-1, (-1, key_tile)).amax(-1)
+    tile_max = tile_max.repeat_interleave(key_tile, dim=-1)[..., :lkv]
+    return torch.where(tile_max > -math.inf, tile_max, 0.0)
 
-    The output is ``(P @ V̂s) / (unit · l)``; P is float64 for quantized P formats.
+
+def _probabilities(x: Tensor, preset: str, opts, p_dtype,
+                   key_tile: int) -> tuple[Tensor, Tensor | None, Tensor, float]:
+    """P from ``x = S − m`` per the preset: (P values, weight, row sum ``l`` ``[..., 1]``, unit).
+
+    The output is ``((P·weight) @ V̂s) / (unit · l)``; P is float64 for quantized P formats.
+    ``weight`` (``p_scale: tile`` only, else None) is ``exp(m_t − m)`` of each entry's key
+    tile, and ``l`` is then ``Σ P·weight``.
     """
     if _native_pv(preset, opts):
         e = torch.exp(x)
         p = e.to(p_dtype).to(x.dtype) if p_dtype in (torch.float16, torch.bfloat16) else e
-        return p, e.sum(dim=-1, keepdim=True), 1.0
+        return p, None, e.sum(dim=-1, keepdim=True), 1.0
     if preset in (*_SAGE2, "fp8"):
         e = torch.exp(x)
         p = quant.fp8_e4m3_values(_FP8_P_UNIT * e)
-        return p.to(torch.float64), e.sum(dim=-1, keepdim=True), _FP8_P_UNIT
+        return p.to(torch.float64), None, e.sum(dim=-1, keepdim=True), _FP8_P_UNIT
+    weight = None
     if preset == "turbo" and opts.exp == "sas":
         e = sas_exp(x, opts.sas_threshold)
+    elif getattr(opts, "p_scale", "row") == "tile":
+        shift = _tile_max(x, key_tile)
+        e = torch.exp(x - shift)
+        weight = torch.exp(shift).to(torch.float64)
     else:
         e = torch.exp(x)
     p_max = 255.0 if preset == "fmha_int8" else 127.0
     p = torch.round(p_max * e).clamp_(0.0, p_max).to(torch.float64)
-    return p, p.sum(dim=-1, keepdim=True), 1.0
+    weighted = p if weight is None else p * weight
+    return p, weight, weighted.sum(dim=-1, keepdim=True), 1.0
 
 
-def _attention_rows(ops, bias, preset, opts, tau, p_dtype, compute_dtype, r0, r1) -> Tensor:
+def _attention_rows(ops, bias, preset, opts, tau, p_dtype, compute_dtype, key_tile,
+                    r0, r1) -> Tensor:
     """Output rows r0:r1, ``[B, Hkv, G, r1 - r0, Dv]`` in compute dtype (masked rows = 0)."""
     _, scores = _dot_scores(ops, r0, r1, compute_dtype)
     x, visible = _shifted(scores, tau, _rows(bias, r0, r1))
-    p, row_sum, unit = _probabilities(x, preset, opts, p_dtype)
+    p, weight, row_sum, unit = _probabilities(x, preset, opts, p_dtype, key_tile)
+    if weight is not None:
+        p = p * weight
     numerator = (p @ ops.v).to(compute_dtype)
     denominator = (unit * torch.where(visible, row_sum, 1.0)).to(compute_dtype)
     out = numerator / denominator
@@ -452,6 +478,7 @@ def reference_attention(
     *,
     compute_dtype: torch.dtype = torch.float32,
     static_scales: Mapping[str, float | Tensor] | None = None,
+    key_tile: int = P_KEY_TILE,
 ) -> Tensor:
     """Simulated-quantization reference of ``preset`` (see the module docstring).
 
@@ -459,7 +486,9 @@ def reference_attention(
     Dv]`` in ``q.dtype``. ``options``: dict, :class:`PresetOptions` or None (validated by
     :func:`~qattn_compile.presets.resolve_options`). ``static_scales``: fmha_int8's
     calibrated α (``{"q", "k", "v"[, "o"]}``), required with ``scales: static`` and refused
-    otherwise. Query rows are processed in chunks when the score matrix is large.
+    otherwise. ``key_tile``: keys per tile of integer P's range under ``p_scale: tile``
+    (pass the kernel's ``block_n`` to reproduce it). Query rows are processed in chunks when
+    the score matrix is large.
     """
     opts, statics, tau = _setup(q, k, v, preset, options, compute_dtype, static_scales, scale)
     b, hq, lq, _ = q.shape
@@ -471,7 +500,8 @@ def reference_attention(
     step = _row_chunk(b, hq, lq, lkv)
     chunks = [
         _attention_rows(
-            ops, bias, preset, opts, tau, v.dtype, compute_dtype, r0, min(r0 + step, lq)
+            ops, bias, preset, opts, tau, v.dtype, compute_dtype, key_tile, r0,
+            min(r0 + step, lq)
         )
         for r0 in range(0, lq, step)
     ]
@@ -551,16 +581,19 @@ def quantized_scores(
 
 
 class ProbParts(NamedTuple):
-    """A preset's softmax output: ``O = (p @ V̂s) / (unit · l)``.
+    """A preset's softmax output: ``O = ((p·weight) @ V̂s) / (unit · l)``.
 
     ``p``: ``[B, Hq, Lq, Lkv]`` the P entering the PV GEMM (INT presets: integers in
     [0, 127] or [0, 255]; FP8 P: e4m3 values of ``448·P̃``; native P — flash, sage2 with
     ``pv: fp16`` — P̃ rounded to ``p_dtype``), float64 (compute dtype for native P).
-    ``l``: ``[B, Hq, Lq, 1]`` row sums (0 for fully masked rows). ``unit``: 448 for FP8 P,
-    else 1.
+    ``weight``: ``[B, Hq, Lq, Lkv]`` float64 ``exp(m_t − m)`` of each entry's key tile with
+    ``p_scale: tile`` (integer P is then quantized against its tile's max), else None.
+    ``l``: ``[B, Hq, Lq, 1]`` row sums of ``p·weight`` (0 for fully masked rows). ``unit``:
+    448 for FP8 P, else 1.
     """
 
     p: Tensor
+    weight: Tensor | None
     l: Tensor
     unit: float
 
@@ -577,11 +610,12 @@ def quantized_probs(
     compute_dtype: torch.dtype = torch.float32,
     static_scales: Mapping[str, float | Tensor] | None = None,
     p_dtype: torch.dtype = torch.float32,
+    key_tile: int = P_KEY_TILE,
 ) -> ProbParts:
     """The P and l of ``preset`` exactly as :func:`reference_attention` computes them.
 
     ``p_dtype``: the V dtype a native P (``flash``, sage2 ``pv: fp16``) is rounded to
-    (fp16/bf16 round, others not).
+    (fp16/bf16 round, others not). ``key_tile`` as in :func:`reference_attention`.
     Whole rows at once (no chunking): meant for tests and small shapes.
     """
     opts, statics, tau = _setup(q, k, None, preset, options, compute_dtype, static_scales, scale)
@@ -591,7 +625,8 @@ def quantized_probs(
     bias = _bias_5d(mask_bias(attn_mask, is_causal, (b, hq, lq, lkv), compute_dtype, q.device), hkv)
     _, scores = _dot_scores(ops, 0, lq, compute_dtype)
     x, visible = _shifted(scores, tau, bias)
-    p, row_sum, unit = _probabilities(x, preset, opts, p_dtype)
+    p, weight, row_sum, unit = _probabilities(x, preset, opts, p_dtype, key_tile)
     row_sum = torch.where(visible, row_sum, 0.0)
     shape5 = (b, hkv, hq // hkv)
-    return ProbParts(p=_ungroup(p, shape5), l=_ungroup(row_sum, shape5), unit=unit)
+    return ProbParts(p=_ungroup(p, shape5), weight=_ungroup(weight, shape5),
+                     l=_ungroup(row_sum, shape5), unit=unit)
