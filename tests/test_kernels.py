@@ -180,6 +180,18 @@ def test_smoothing_means_and_delta_s():
     assert torch.equal(got.data, ref_q) and torch.equal(got.scale, ref_scale)
 
 
+def test_delta_s_many_query_blocks_gqa():
+    """ΔS tiles over more q̄ rows than one program holds (n_blocks > 64), GQA, odd lengths."""
+    q_mean = torch.randn(1, 4, 70, 48)
+    k = torch.randn(1, 2, 45, 48) * 3 + 1
+    k_mean = kq.smooth_mean(k)
+    got = kq.delta_s(q_mean, k, k_mean, 1.5)
+    want = 1.5 * rsmooth.delta_s(q_mean, k - k_mean)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kq.delta_s(q_mean, k, None, 1.0), rsmooth.delta_s(q_mean, k),
+                               rtol=1e-5, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------
 # the integer score path, bit for bit
 # ------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from qattn_compile.blocks import QUANT_BLOCK_KV, group_sizes
 from qattn_compile.reference import exact_attention, quantized_scores, reference_attention
 from qattn_compile.reference import quant as rq
+from qattn_compile.reference import smooth as rsmooth
 
 pytestmark = pytest.mark.gpu
 
@@ -216,6 +217,19 @@ def test_gpu_quantizers_bit_exact(group):
     assert torch.equal(got.data[..., :1000].transpose(-1, -2).cpu().view(torch.uint8),
                        ref_q.view(torch.uint8))
     assert torch.equal(got.scale.cpu(), ref_scale)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_delta_s_float32_accurate(d):
+    """ΔS on tensor cores (tf32x3) stays float32-accurate against a float64 product."""
+    kq = _kernels().quantize
+    q_mean = torch.randn(1, 8, 70, d, device=DEV)
+    k = (torch.randn(1, 2, 3000, d, device=DEV) * 3 + 1).to(torch.bfloat16)
+    k_mean = kq.smooth_mean(k)
+    got = kq.delta_s(q_mean, k, k_mean, 0.5)
+    want = 0.5 * rsmooth.delta_s(q_mean.double(), k.double() - k_mean.double())
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err < 1e-5, err
 
 
 def test_gpu_fp8_per_channel_bit_exact():

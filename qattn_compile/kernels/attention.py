@@ -7,7 +7,8 @@ softmax scale and log2(e) are folded into Q's scale). Switches:
 - ``QK_FMT``: :data:`QK_NATIVE` (fp16/bf16/fp32 dot), :data:`QK_INT8` (int8×int8→int32),
   :data:`QK_INT4` (packed bytes split into even/odd-channel int8 registers, two int8 dots),
   :data:`QK_FP8` (e4m3 dot). Scales: Q per row group ``Q_GROUP``, K per column group
-  ``K_GROUP`` (a per-tensor scale is a group of 1 with stride 0).
+  ``K_GROUP`` (a per-tensor scale is a group of :data:`PER_TENSOR_GROUP` tokens with stride
+  0); a ``K_GROUP`` that ``BLOCK_N`` divides gives each key tile one scalar scale.
 - ``HAS_DS``: add SageAttention2's Q-smoothing term ΔS (one row per ``DS_GROUP`` queries).
 - ``P_FMT``: :data:`P_NATIVE` (P in V's dtype), :data:`P_INT8` (``round(127·P)``),
   :data:`P_UINT8` (``round(255·P)``, fed to the signed dot as ``P − 128`` plus an exact
@@ -56,6 +57,9 @@ P_FP8 = tl.constexpr(3)
 V_NATIVE = tl.constexpr(0)
 V_INT8 = tl.constexpr(1)
 V_FP8 = tl.constexpr(2)
+
+PER_TENSOR_GROUP = 1 << 30
+"""The token group of a per-tensor scale: longer than any sequence (its stride is 0)."""
 
 VS_NONE = tl.constexpr(0)
 VS_TILE = tl.constexpr(1)
@@ -181,13 +185,15 @@ def _load_group_scale(base, offs, n, stride, GROUP: tl.constexpr, MASKED: tl.con
 
 @triton.jit
 def qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, K_PER_TILE: tl.constexpr = False):
     """Scores ``[BLOCK_M, BLOCK_N]`` in log2 units from Q and K tiles as returned by
     :func:`load_qk_tile` (``q2``/``k2``: the odd channels for INT4, else unused).
 
     Native: ``(Q·Kᵀ)·qk_scale`` (qk_scale = softmax scale·log2 e). Quantized:
     ``(Q̂·K̂ᵀ)·q_scale[:, None]·k_scale[None, :]`` with the softmax scale and log2 e already
-    in ``q_scale``; integer formats accumulate in int32 (exact).
+    in ``q_scale``; integer formats accumulate in int32 (exact). ``K_PER_TILE``: ``k_scale``
+    is the tile's one scale (a scalar), folded into the row scales first (one multiply per
+    score instead of two).
     """
     if QK_FMT == QK_NATIVE:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -199,7 +205,10 @@ def qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT: tl.constexpr,
             raw = (raw_int + tl.dot(q2, tl.trans(k2), out_dtype=tl.int32)).to(tl.float32)
         else:
             raw = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-        s = raw * q_scale[:, None] * k_scale[None, :]
+        if K_PER_TILE:
+            s = raw * (q_scale * k_scale)[:, None]
+        else:
+            s = raw * q_scale[:, None] * k_scale[None, :]
     return s
 
 
@@ -329,9 +338,12 @@ def _tile_step(
         k, k2 = load_qk_tile(k_base, offs_n, skl, skd, Lkv, QK_FMT, HEAD_D, BLOCK_D, BOUNDED)
     if QK_FMT == QK_NATIVE:
         k_scale = 1.0  # native scores take qk_scale instead
+    elif K_GROUP % BLOCK_N == 0:
+        k_scale = tl.load(ks_base + (start_n // K_GROUP) * sksg)  # one scale for the tile
     else:
         k_scale = _load_group_scale(ks_base, offs_n, Lkv, sksg, K_GROUP, BOUNDED)
-    s = qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT, DOT_PRECISION)
+    s = qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT, DOT_PRECISION,
+                  QK_FMT != QK_NATIVE and K_GROUP % BLOCK_N == 0)
     if HAS_DS:
         if BOUNDED:
             s += tl.load(ds_row + offs_n, mask=offs_n < Lkv, other=0.0)[None, :]
@@ -441,7 +453,12 @@ def attention_kernel(
     thr_log2 = tl.cast(thr_log2, tl.float32)
     c0, c1 = tl.cast(c0, tl.float32), tl.cast(c1, tl.float32)
     c2, c3 = tl.cast(c2, tl.float32), tl.cast(c3, tl.float32)
-    pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        # Longest rows first: the last programs to start are the short ones, not a tail of
+        # full-length rows on a few SMs.
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads_q
     hq = pid_bh % n_heads_q

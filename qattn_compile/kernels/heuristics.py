@@ -57,11 +57,12 @@ _DIMS = (32, 64, 128, 256)
 # at D=128, 128×128 tiles with TMA loads, 8 warps, 2 stages are fastest or tied for every
 # preset (int_flash 511 vs 450 TOPS with 128×64 pointer loads, fp8 522 vs 466, sage2_4b 345 vs
 # 271, sage2_8b and flash tied); at D=64 the 128×64 pointer-load tiles stay (flash 397 vs
-# 309 with 128×128). At D=64 the 8-bit dots want 4 warps: 128×64 TMA tiles, 4 warps, 3
-# stages beat 8 warps for sage2_8b (341 vs 248 TOPS non-causal, 322 vs 238 causal), int_flash
-# (336 vs 254, 315 vs 245) and fp8 (384 vs 289, 350 vs 265); fmha_int8 and sage2_4b (whose
-# loops do more vector work per tile) prefer the same tile with pointer loads (290 vs 272 and
-# 270 vs 258 TOPS), turbo too (198 vs 187). 256-wide heads need 8 warps on a 64-row tile.
+# 309 with 128×128). At D=64 the 8-bit dots want 4 warps: 128×64 tiles, 4 warps, 3 stages
+# beat 8 warps for every quantized preset (sage2_8b 341 vs 248 TOPS non-causal, 322 vs 238
+# causal; int_flash 336 vs 254). TMA loads win for sage2_8b (385 vs 379 non-causal, 363 vs
+# 358 causal, with one K scale per key tile) and int_flash (335 vs 324, 317 vs 307); pointer
+# loads for fmha_int8 (345 vs 296, 296 vs 278), fp8 (460 vs 423, 424 vs 405), turbo (211 vs
+# 201) and sage2_4b (270 vs 258 causal). 256-wide heads need 8 warps on a 64-row tile.
 # Warp specialization is not used: Triton 3.6 miscompiles our loop with it
 # (benchmarks/NOTES.md).
 _SM90_D128 = AttentionConfig(128, 128, 8, 2, tma=True)
@@ -98,7 +99,7 @@ _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
 # Measured per-preset winners that differ from their family default.
 _MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
     (preset, dim, "sm90"): _SM90_8BIT_SMALL_PTR
-    for preset in ("fmha_int8", "sage2_4b", "turbo")
+    for preset in ("fmha_int8", "sage2_4b", "turbo", "fp8")
     for dim in (32, 64)
 }
 

@@ -208,12 +208,13 @@ _PREPARE = {
 
 def _scale_args(scale: Tensor | None, group: int, dummy: Tensor) -> tuple[Tensor, int, tuple]:
     """(pointer, constexpr group, (stride_b, stride_h, stride_group)) of a ``[B, H, n]``
-    scale; one group (per tensor) is group 1 with stride 0, no scale a dummy."""
+    scale; one group (per tensor) is :data:`~.attention.PER_TENSOR_GROUP` tokens with stride
+    0, no scale a dummy."""
     if scale is None:
         return dummy, 1, (0, 0, 0)
     sb, sh, sg = scale.stride()
     if scale.shape[-1] == 1:
-        return scale, 1, (sb, sh, 0)
+        return scale, ak.PER_TENSOR_GROUP, (sb, sh, 0)
     return scale, group, (sb, sh, sg)
 
 

@@ -214,32 +214,36 @@ def _delta_s_kernel(
     qmean_ptr, k_ptr, kmean_ptr, out_ptr,
     Lkv, D, n_blocks, hq_per_kv, n_heads_q, scale_mul,
     skb, skh, skl, skd,
-    SUB_K_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    SUB_K_MEAN: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """SageAttention2's ΔS: ``ΔS[b, hq, blk, n] = scale_mul · Σ_d q̄[b, hq, blk, d] ·
     (k[b, hkv, n, d] − k̄[b, hkv, d])`` with ``hkv = hq // hq_per_kv``.
 
     qmean: float32 ``[B, Hq, n_blocks, D]`` contiguous; k: ``[B, Hkv, Lkv, D]`` (strides);
     kmean: float32 ``[B, Hkv, 1, D]`` contiguous (``SUB_K_MEAN``); out: float32 ``[B, Hq,
-    n_blocks, Lkv]`` contiguous. Grid ``(cdiv(Lkv, BLOCK_T), B*Hq)``; float32 multiply-adds
-    (no tensor-core rounding).
+    n_blocks, Lkv]`` contiguous. Grid ``(cdiv(Lkv, BLOCK_T), cdiv(n_blocks, BLOCK_B),
+    B*Hq)``: one ``[BLOCK_B, BLOCK_T]`` tile of ΔS as a float32 dot of ``BLOCK_B`` q̄ rows
+    with ``BLOCK_T`` smoothed key rows (``PRECISION``: ``tf32x3`` keeps float32 accuracy on
+    tensor cores; ``ieee`` under the interpreter).
     """
     pid_t = tl.program_id(0)
-    bhq = tl.program_id(1)
+    pid_b = tl.program_id(1)
+    bhq = tl.program_id(2)
     b = bhq // n_heads_q
     hq = bhq % n_heads_q
     hkv = hq // hq_per_kv
     n_heads_kv = n_heads_q // hq_per_kv
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    blocks = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_D)
     k = load_tile(k_ptr + b * skb + hkv * skh, rows, cols, skl, skd, Lkv, D, 0.0).to(tl.float32)
     if SUB_K_MEAN:
         kmean = tl.load(kmean_ptr + (b * n_heads_kv + hkv) * D + cols, mask=cols < D, other=0.0)
-        k = k - kmean[None, :]
-    for blk in range(0, n_blocks):
-        qm = tl.load(qmean_ptr + (bhq * n_blocks + blk) * D + cols, mask=cols < D, other=0.0)
-        ds = tl.sum(k * qm[None, :], axis=1) * scale_mul
-        tl.store(out_ptr + (bhq * n_blocks + blk) * Lkv + rows, ds, mask=rows < Lkv)
+        k = tl.where((rows < Lkv)[:, None], k - kmean[None, :], 0.0)
+    qm = load_tile(qmean_ptr + bhq * n_blocks * D, blocks, cols, D, 1, n_blocks, D, 0.0)
+    ds = tl.dot(qm, tl.trans(k), input_precision=PRECISION) * scale_mul
+    store_tile(out_ptr + bhq * n_blocks * Lkv, ds, blocks, rows, Lkv, 1, n_blocks, Lkv)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -488,12 +492,15 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float) 
     hkv, lkv = k.shape[1], k.shape[2]
     cfg = quant_config(dim, k.device)
     out = torch.empty((bsz, hq, n_blocks, lkv), device=k.device, dtype=torch.float32)
-    interpreted(k.device)
+    exact = interpreted(k.device)
     kmean = k_mean.contiguous() if k_mean is not None else q_mean
-    launcher(_delta_s_kernel, k)[(triton.cdiv(max(lkv, 1), cfg.block_t), bsz * hq)](
+    # q̄ rows per program: a dot needs at least 16; 64 covers 8K query tokens per tile.
+    block_b = min(64, max(16, triton.next_power_of_2(n_blocks)))
+    grid = (triton.cdiv(max(lkv, 1), cfg.block_t), triton.cdiv(n_blocks, block_b), bsz * hq)
+    launcher(_delta_s_kernel, k)[grid](
         q_mean.contiguous(), k, kmean, out, lkv, dim, n_blocks, hq // hkv, hq, scale_mul,
-        *k.stride(), SUB_K_MEAN=k_mean is not None, BLOCK_T=cfg.block_t,
-        BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
+        *k.stride(), SUB_K_MEAN=k_mean is not None, PRECISION="ieee" if exact else "tf32x3",
+        BLOCK_T=cfg.block_t, BLOCK_B=block_b, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
     return out
 
