@@ -5,15 +5,16 @@ Usage (on the GPU machine, from the repository root)::
     PYTHONPATH=. python benchmarks/kernel_check.py --out kernel_check.json
 
 1. Accuracy, a same-run comparison with the peers at equal bit widths: for every preset
-   (plus ``int_flash`` and ``fmha_int8`` with the papers' row range of P, ``int_flash
-   paper`` = INT-FlashAttention's own math, and ``sage2_8b pv=fp16``) × {N(0,1), K channel outliers} × D ∈ {64, 128} at N=2048 (B=1, H=8, bf16
-   inputs): cosine similarity, relative L1 and RMSE of the kernel and of the reference
+   (plus ``int_flash``, ``fmha_int8`` and ``turbo`` with the papers' row range of P,
+   ``int_flash paper`` = INT-FlashAttention's own math, and ``sage2_8b pv=fp16``) ×
+   {N(0,1), K channel outliers} × D ∈ {64, 128} at N=2048 (B=1, H=8, bf16 inputs): cosine similarity, relative L1 and RMSE of the kernel and of the reference
    (:func:`qattn_compile.reference.reference_attention`) against fp64 exact attention, and
    SageAttention 1.0.6 (``sageattn``, when ``import sageattention`` works) on the same inputs.
    Each row names its peer at the same bit widths and says whether our kernel's rel-L1 is no
    worse: ``sage2_8b pv=fp16`` vs SageAttention 1.0.6 (INT8 Q·Kᵀ with K smoothing, fp16 P·V;
-   measured in this run), ``int_flash`` rows vs INT-FlashAttention's reported figures
-   (:data:`INT_FA_REPORTED`), the others have none that runs here.
+   measured in this run), the INT8 Q/K/P/V presets (``int_flash``, ``fmha_int8``, ``turbo``)
+   vs INT-FlashAttention's reported figures at D=128 (:data:`INT_FA_REPORTED`); the FP8
+   ones have no peer that runs here.
 2. Speed: B=4, H=32, N=4096, D=128, bf16 (``--masks``: no mask, ``is_causal``, and/or the
    materialized bool causal mask transformers passes): median ``triton.testing.do_bench``
    time of the whole call (quantizers + attention), of the attention kernel alone on
@@ -53,12 +54,13 @@ VARIANTS: tuple[tuple[str, str, dict, str], ...] = (
     ("int_flash", "int_flash", {}, INT_FA),
     ("int_flash p_scale=row", "int_flash", {"p_scale": "row"}, INT_FA),
     ("int_flash paper", "int_flash", {"p_scale": "row", "smooth_k": False}, INT_FA),
-    ("fmha_int8", "fmha_int8", {}, NO_PEER),
-    ("fmha_int8 p_scale=row", "fmha_int8", {"p_scale": "row"}, NO_PEER),
+    ("fmha_int8", "fmha_int8", {}, INT_FA),
+    ("fmha_int8 p_scale=row", "fmha_int8", {"p_scale": "row"}, INT_FA),
     ("sage2_8b", "sage2_8b", {}, NO_PEER),
     ("sage2_8b pv=fp16", "sage2_8b", {"pv": "fp16"}, SAGEATTN),
     ("sage2_4b", "sage2_4b", {}, NO_PEER),
-    ("turbo", "turbo", {}, NO_PEER),
+    ("turbo", "turbo", {}, INT_FA),
+    ("turbo p_scale=row", "turbo", {"p_scale": "row"}, INT_FA),
     ("fp8", "fp8", {}, NO_PEER),
 )
 
@@ -97,12 +99,13 @@ def sageattention():
     return run, None
 
 
-def peer_rel_l1(peer: str, data: str, measured: dict | None) -> float | None:
-    """The peer's rel-L1 on ``data``: SageAttention's from this run (``measured``: its row),
-    INT-FlashAttention's reported figure, None when there is none."""
+def peer_rel_l1(peer: str, data: str, d: int, measured: dict | None) -> float | None:
+    """The peer's rel-L1 on ``data`` at head dim ``d``: SageAttention's from this run
+    (``measured``: its row), INT-FlashAttention's reported figure (D=128 only), None when
+    there is none."""
     if peer == SAGEATTN:
         return measured["kernel"]["rel_l1"] if measured and "kernel" in measured else None
-    if peer == INT_FA:
+    if peer == INT_FA and d == 128:
         return INT_FA_REPORTED[data]
     return None
 
@@ -129,7 +132,7 @@ def accuracy_rows(n: int) -> list[dict]:
             for label, preset, options, peer in VARIANTS:
                 row = {"preset": preset, "variant": label, "options": options, "data": data,
                        "d": d, "n": n, "peer": peer,
-                       "peer_rel_l1": peer_rel_l1(peer, data, peer_row)}
+                       "peer_rel_l1": peer_rel_l1(peer, data, d, peer_row)}
                 try:
                     out = kernel_attention(q, k, v, preset=preset, options=options)
                     row["kernel"] = metrics(out, exact)

@@ -63,6 +63,10 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     :mod:`qattn_compile.reference.sas`); ``x < sas_threshold`` gives 0 (and a tile whose
     scores are all below it is skipped). ``P̂ = round(127·P)`` (INT8), ``l = Σ P̂``,
     ``O = (P̂·V̂)·s_v / l``. With ``exp: hardware`` the exact exp is used instead of SAS.
+    ``p_scale`` as for ``int_flash``; with ``tile`` (default) ``x`` is taken against the key
+    tile's max, so the SAS threshold zeroes scores below the tile's max + threshold (a
+    subset of those below the row's), and a tile is still skipped only when all its scores
+    are below the running row max + threshold.
 ``fp8``
     FlashAttention-3-style FP8: Q, K, V FP8 e4m3 (scale amax/448) per tensor or per block,
     ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
@@ -213,6 +217,7 @@ class TurboOptions(PresetOptions):
         "sas", description="SAS polynomial exp (paper) or the hardware exp."
     )
     sas_threshold: float = Field(-6.0, lt=0, description="Scores below max+threshold give P=0.")
+    p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
 
 
 class Fp8Options(PresetOptions):

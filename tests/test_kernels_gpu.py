@@ -121,6 +121,7 @@ def test_gpu_bf16(preset):
         ("sage2_4b", {"smooth_v": True}),
         ("sage2_4b", {"pv": "fp16"}),
         ("turbo", {"exp": "hardware"}),
+        ("turbo", {"p_scale": "row"}),
         ("fp8", {"granularity": "block"}),
     ],
 )

@@ -322,7 +322,8 @@ def _mask_with_empty_row(lq, lkv):
     [
         ("int_flash", {"p_scale": "row"}, 127),
         ("int_flash", {"p_scale": "tile"}, 127),
-        ("turbo", None, 127),
+        ("turbo", {"p_scale": "row"}, 127),
+        ("turbo", {"p_scale": "tile"}, 127),
         ("fmha_int8", {"p_scale": "row"}, 255),
         ("fmha_int8", {"p_scale": "tile"}, 255),
     ],
@@ -345,7 +346,7 @@ def test_integer_p(preset, options, p_max):
     assert torch.equal(row_sum[0, :, 4], torch.zeros_like(row_sum[0, :, 4]))
 
 
-@pytest.mark.parametrize("preset,p_max", [("int_flash", 127), ("fmha_int8", 255)])
+@pytest.mark.parametrize("preset,p_max", [("int_flash", 127), ("fmha_int8", 255), ("turbo", 127)])
 def test_tile_p_scale_quantizes_each_key_tile_against_its_max(preset, p_max):
     """``p_scale: tile``: every key tile with a visible key reaches ``p_max`` at its own
     max, and its weight is ``exp(m_t − m)``: 1 on the tile holding the row max, below 1
@@ -367,7 +368,7 @@ def test_tile_p_scale_quantizes_each_key_tile_against_its_max(preset, p_max):
                        torch.ones_like(w.amax(-1)[mask[0, 0].any(-1).expand(w.shape[:-1])]))
 
 
-@pytest.mark.parametrize("preset", ["int_flash", "fmha_int8"])
+@pytest.mark.parametrize("preset", ["int_flash", "fmha_int8", "turbo"])
 def test_tile_p_scale_beats_row_scale_on_long_rows(preset):
     """Over rows of many key tiles most tiles sit below the row max; quantizing each against
     its own max keeps P's resolution there (the default); the paper's row range loses it."""
@@ -376,13 +377,30 @@ def test_tile_p_scale_beats_row_scale_on_long_rows(preset):
     tile = rel_l1(reference_attention(q, k, v, preset=preset, key_tile=64), exact)
     row = rel_l1(reference_attention(q, k, v, preset=preset, options={"p_scale": "row"}), exact)
     # fmha_int8's per-tensor Q/K/V scales leave P a smaller share of its error.
-    assert tile < {"int_flash": 0.8, "fmha_int8": 0.9}[preset] * row, (tile, row)
+    assert tile < {"int_flash": 0.8, "fmha_int8": 0.9, "turbo": 0.8}[preset] * row, (tile, row)
+
+
+def test_turbo_sas_threshold_zeroes_p_against_the_tile_max():
+    """``p_scale: tile`` (default): the SAS threshold applies to scores minus their key tile's
+    max."""
+    q, k, _ = qkv(lq=64, lkv=96, d=64)
+    q = q * 3
+    opts = {"sas_threshold": -2.0}
+    s = quantized_scores(q, k, "turbo", opts).scores()
+    tile_max = s.unflatten(-1, (3, 32)).amax(-1, keepdim=True).expand(-1, -1, -1, -1, 32)
+    x_tile = s - tile_max.flatten(-2)
+    p = quantized_probs(q, k, preset="turbo", options=opts, key_tile=32).p
+    assert (x_tile < -2.0).sum() > 100
+    assert torch.equal(p[x_tile < -2.0], torch.zeros_like(p[x_tile < -2.0]))
+    assert (p[x_tile > -1.9] > 0).all()
+    x_row = s - s.amax(-1, keepdim=True)
+    assert (p[x_row < -2.0] > 0).any()  # kept: below the row max + threshold, not the tile's
 
 
 def test_turbo_sas_threshold_zeroes_p():
     q, k, _ = qkv(lq=64, d=64)
     q = q * 3  # peaky rows: many scores below max − 2
-    opts = {"sas_threshold": -2.0}
+    opts = {"sas_threshold": -2.0, "p_scale": "row"}
     s = quantized_scores(q, k, "turbo", opts).scores()
     x = s - s.amax(-1, keepdim=True)
     p = quantized_probs(q, k, preset="turbo", options=opts).p

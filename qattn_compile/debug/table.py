@@ -24,7 +24,7 @@ def _fmha_formats(options: dict) -> str:
 def _turbo_formats(options: dict) -> str:
     exp = options.get("exp")
     threshold = f" (threshold {options.get('sas_threshold')})" if exp == "sas" else ""
-    return f"qkv=int8/block p=int8 exp={exp}{threshold}"
+    return f"qkv=int8/block p=int8/{options.get('p_scale')} exp={exp}{threshold}"
 
 
 QUANT_FORMATS = {

@@ -169,14 +169,16 @@ def _prepare_sage2_4b(q, k, v, opts, qk_mul, static) -> Operands:
 
 
 def _prepare_turbo(q, k, v, opts, qk_mul, static) -> Operands:
-    """TurboAttention: FlashQ blockwise INT8 Q, K, V; SAS (or hardware) exp; P = round(127·P)."""
+    """TurboAttention: FlashQ blockwise INT8 Q, K, V; SAS (or hardware) exp; P = round(127·P)
+    against the tile's or the running max (``p_scale``)."""
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes("block", lq, lkv)
     qq = quantize_int(q, gq, 8, scale_mul=qk_mul)
     kq = quantize_int(k, gk, 8)
     vq = quantize_int(v, gk, 8, transpose=True)
     exp = ak.EXP_SAS if opts.exp == "sas" else ak.EXP_HW
-    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8, exp))
+    ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8, exp,
+                                                        p_tile_max=opts.p_scale == "tile"))
     ops.sas_threshold = opts.sas_threshold
     return _with_v(_with_q(ops, qq, kq), vq)
 

@@ -22,7 +22,7 @@ math). How it computes, so that kernel tests know what to compare:
   P is exactly 0 in every format.
 - INT P (``int_flash``/``turbo``: 127, ``fmha_int8``: 255): ``P̂ = clamp(round(qmax·E(x)),
   0, qmax)`` with round half to even, ``l = ΣP̂`` (float64, exact). With ``p_scale: tile``
-  (``int_flash``, ``fmha_int8``) ``x`` is taken against the max ``m_t`` of the row's key
+  (the default of all three) ``x`` is taken against the max ``m_t`` of the row's key
   tile (``key_tile`` keys, aligned at 0: the kernel's ``block_n``) and each P̂ carries the
   weight ``w = exp(m_t − m)``: ``O = ((P̂·w)·V̂s) / Σ(P̂·w)``. FP8 P (``sage2_*``
   with ``pv: fp8``, ``fp8``): ``P̂ = fp8_e4m3(448·exp(x))``, ``l = Σ exp(x)`` (compute
@@ -401,12 +401,12 @@ def _probabilities(x: Tensor, preset: str, opts, p_dtype,
         p = quant.fp8_e4m3_values(_FP8_P_UNIT * e)
         return p.to(torch.float64), None, e.sum(dim=-1, keepdim=True), _FP8_P_UNIT
     weight = None
+    if opts.p_scale == "tile":
+        shift = _tile_max(x, key_tile)
+        x = x - shift
+        weight = torch.exp(shift).to(torch.float64)
     if preset == "turbo" and opts.exp == "sas":
         e = sas_exp(x, opts.sas_threshold)
-    elif getattr(opts, "p_scale", "row") == "tile":
-        shift = _tile_max(x, key_tile)
-        e = torch.exp(x - shift)
-        weight = torch.exp(shift).to(torch.float64)
     else:
         e = torch.exp(x)
     p_max = 255.0 if preset == "fmha_int8" else 127.0
