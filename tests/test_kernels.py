@@ -32,6 +32,7 @@ from qattn_compile.blocks import QUANT_BLOCK_KV, SMOOTH_Q_BLOCK, group_sizes  # 
 from qattn_compile.kernels import kernel_attention, prepare_attention, supports  # noqa: E402
 from qattn_compile.kernels import attention as attn  # noqa: E402
 from qattn_compile.kernels import quantize as kq  # noqa: E402
+from qattn_compile.lowering import quantize as lowered  # noqa: E402
 from qattn_compile.kernels.mask import (  # noqa: E402
     TILE_FULL,
     TILE_MIXED,
@@ -190,6 +191,46 @@ def test_delta_s_many_query_blocks_gqa():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(kq.delta_s(q_mean, k, None, 1.0), rsmooth.delta_s(q_mean, k),
                                rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# the quantizers' torch form (what Inductor fuses under torch.compile)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [1, 16, 32, 45])
+def test_lowered_int8_quantizer_matches_the_kernel(group):
+    x = make_qkv(hq=3, lq=45, d=40, k_outliers=True)[1].float()
+    cases = [{}, {"scale_mul": 0.3}, {"amax": 2.5}]
+    if group <= 32:  # the kernels smooth only groups that fit one tile
+        cases.append({"mean": kq.smooth_mean(x)})
+    for kwargs in cases:
+        got_data, got_scale = lowered.quantize_int8(x, group, **kwargs)
+        want = kq.quantize_int(x, group, 8, **kwargs)
+        assert torch.equal(got_data, want.data) and torch.equal(got_scale, want.scale), kwargs
+    got_data, _ = lowered.quantize_int8(x, group, transposed_length=48)
+    want = kq.quantize_int(x, group, 8, transpose=True)
+    assert got_data.shape == want.data.shape == (1, 3, 40, 48)
+    assert torch.equal(got_data[..., :45], want.data[..., :45]) and not got_data[..., 45:].any()
+
+
+def test_lowered_means_match_the_kernels():
+    q, k, _ = make_qkv(hq=4, hkv=2, lq=300, lkv=70, d=48, dtype=torch.float32, k_outliers=True)
+    for x, group in ((k, None), (q, SMOOTH_Q_BLOCK)):
+        torch.testing.assert_close(lowered.smooth_mean(x, group), kq.smooth_mean(x, group),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["int_flash", "fmha_int8", "sage2_8b", "turbo"])
+def test_attention_on_lowered_quantizers(preset, monkeypatch):
+    """The attention kernel on operands from the torch-form quantizers (as under
+    torch.compile): the same output as with the quantizer kernels, up to the order of the
+    smoothing sums."""
+    q, k, v = make_qkv(hq=4, hkv=2, lq=70, lkv=90, d=64)
+    quantizer_kernels = kernel_attention(q, k, v, is_causal=True, preset=preset)
+    monkeypatch.setattr(lowered, "decomposed", lambda x: True)
+    out, _, _ = check_against_reference(q, k, v, preset, is_causal=True)
+    assert (out.float() - quantizer_kernels.float()).abs().max() <= 2e-3
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """On the GPU: compiled sites become Triton code that Inductor inlines (no opaque op call)."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,9 +36,52 @@ def test_attention_kernels_are_inlined_by_inductor(preset):
     out, codes = _compat.run_and_get_code(compiled, q, k, v)
     code = "\n".join(codes)
     assert [r.status for r in be.site_reports] == ["rewritten"]
-    assert "def attention_kernel(" in code and "def _quantize_kernel(" in code
+    assert "def attention_kernel(" in code
+    # int_flash's quantizers are all Inductor's now; sage2_8b keeps the FP8 V kernel.
+    assert ("def _quantize_kernel(" in code) == (preset == "sage2_8b")
     assert "torch.ops.qattn" not in code, "the op must be inlined, not called"
     ref = exact_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert compare(out, ref)["cos"] > 0.998
+
+
+class RotaryAttention(nn.Module):
+    """RoPE on Q and K (transformers' ``rotate_half`` form), then causal GQA SDPA."""
+
+    def forward(self, q, k, v, cos, sin):
+        def rotate_half(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((-x2, x1), dim=-1)
+
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("preset", ["int_flash", "sage2_8b", "turbo"])
+def test_quantizers_fuse_with_rope(preset):
+    """Under torch.compile the Q/K quantizers (smoothing means, INT8 quantization) are
+    Inductor ops: RoPE's rotation and the quantizer's rounding land in the same generated
+    kernel, and no quantizer kernel reads a materialized rotated Q or K."""
+    _compat.reset_dynamo()
+    q, k, v = _inputs()
+    angles = torch.rand(777, 128, device="cuda") * 6.28
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    be = qattn_compile.backend({"qattn": 1, "default": preset})
+    compiled = torch.compile(RotaryAttention(), backend=be, fullgraph=True)
+    out, codes = _compat.run_and_get_code(compiled, q, k, v, cos, sin)
+    code = "\n".join(codes)
+    names = re.findall(r"def (triton_\w+)\(", code)
+    user = re.findall(r"def (_\w+_kernel|attention_kernel)\(", code)
+    print(f"{preset}: Inductor kernels {names}; inlined qattn kernels {user}")
+    fused = [n for n in names if "round" in n and "neg" in n]
+    assert fused, names  # RoPE (rotate_half's neg) and the quantizer's rounding in one kernel
+    # Only sage2_8b's FP8 per-channel V still has quantizer kernels (and the ΔS GEMM).
+    sage = preset == "sage2_8b"
+    assert ("_quantize_kernel" in user) == sage and ("_token_stats_kernel" in user) == sage
+    assert ("_delta_s_kernel" in user) == sage
+    rotated = [t.float() * cos + torch.cat((-t.float()[..., 64:], t.float()[..., :64]), -1) * sin
+               for t in (q, k)]
+    ref = exact_attention(rotated[0], rotated[1], v.float(), is_causal=True)
     assert compare(out, ref)["cos"] > 0.998
 
 

@@ -22,6 +22,10 @@ Kernels:
   tile (groups that fit in it) or read (large groups, per channel, static amax); optional
   mean subtraction (smoothing), INT4 packing, transposed output.
 - :func:`_delta_s_kernel`: SageAttention2's ``ΔS = q̄·(K − k̄)ᵀ`` per query block.
+
+While torch traces (inside ``torch.compile``), the INT8 quantizer and the smoothing means
+take their torch form from :mod:`qattn_compile.lowering.quantize` instead, so that Inductor
+fuses them with the ops that produce Q and K.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..lowering import quantize as lowered
 from ..reference.quant import AMAX_MIN, FP8_E4M3_MAX
 from ..reference.quant import INT_QMAX as REF_INT_QMAX
 from .heuristics import padded_dim, quant_config
@@ -397,6 +402,12 @@ def quantize_int(
     also return the int32 channel sums of the quantized values per chunk of that many
     tokens, ``[B, H, ceil(L / chunk), D]`` (fmha_int8's UINT8-P correction).
     """
+    if num_bits == 8 and not colsum_chunk and lowered.decomposed(x):
+        padded = _padded_length(x.shape[-2]) if transpose else None
+        data, scale = lowered.quantize_int8(x, group, scale_mul=scale_mul, mean=mean,
+                                            mean_group=mean_group, amax=amax,
+                                            transposed_length=padded)
+        return Quantized(data, scale, group, transposed=transpose, mean=mean)
     qmax = INT_QMAX[num_bits]
     bsz, heads, length, dim = x.shape
     if num_bits == 4:
@@ -477,6 +488,8 @@ def quantize_fp8_per_channel(
 def smooth_mean(x: Tensor, group: int | None = None) -> Tensor:
     """Channel mean per group of ``group`` tokens (default: all tokens), float32
     ``[B, H, n_groups, D]`` (K/V smoothing: ``group=None``; Q smoothing: ``SMOOTH_Q_BLOCK``)."""
+    if lowered.decomposed(x):
+        return lowered.smooth_mean(x, group)
     mean, _ = token_stats(x, group or max(x.shape[-2], 1), center=True, per_channel=False)
     return mean
 
@@ -505,13 +518,18 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float) 
     return out
 
 
+def _padded_length(length: int) -> int:
+    """``L_pad`` of a transposed 8-bit V: ``length`` rounded up to whole 16-token rows."""
+    return triton.cdiv(max(length, 1), _TOKEN_ALIGN) * _TOKEN_ALIGN
+
+
 def _alloc_8bit(x: Tensor, dtype: torch.dtype, transpose: bool) -> Tensor:
     """Output buffer (``dtype``: int8 or float8_e4m3fn) for 8-bit values of ``x`` ``[B, H,
     L, D]``: ``[B, H, L, D]`` or, with ``transpose``, ``[B, H, D, L_pad]``."""
     bsz, heads, length, dim = x.shape
     if transpose:
-        padded = triton.cdiv(max(length, 1), _TOKEN_ALIGN) * _TOKEN_ALIGN
-        data = torch.empty((bsz, heads, dim, padded), device=x.device, dtype=dtype)
+        data = torch.empty((bsz, heads, dim, _padded_length(length)), device=x.device,
+                           dtype=dtype)
     else:
         data = torch.empty((bsz, heads, length, dim), device=x.device, dtype=dtype)
     return data
