@@ -154,29 +154,20 @@ def _is_pure(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and not node.is_impure() and not _mutates(node)
 
 
-def _erase_dead_inputs(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Erase the pure nodes of ``nodes`` that have no users, then their inputs left without
-    users, transitively (a mask the op no longer reads, down to its ``arange``)."""
-    pending, erased = list(nodes), set()
+def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], matched: list[fx.Node]) -> None:
+    """Erase the nodes of ``nodes`` left without users, then their inputs left without users,
+    transitively (the replaced attention chain, a mask the op no longer reads down to its
+    ``arange``). A node of ``matched`` (the replaced chain: its in-place ops only fed the
+    chain) goes once unused; any other node only when pure (:func:`_is_pure`)."""
+    chain = set(matched)
+    pending, erased = list(dict.fromkeys(nodes)), set()
     while pending:
         node = pending.pop()
-        if node in erased or node.users or not _is_pure(node):
+        if node in erased or node.users or not (node in chain or _is_pure(node)):
             continue
         pending += node.all_input_nodes
         graph.erase_node(node)
         erased.add(node)
-
-
-def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Erase the nodes of ``nodes`` that have no users, until none is left to erase."""
-    pending = list(dict.fromkeys(nodes))
-    while True:
-        dead = [n for n in pending if not n.users]
-        if not dead:
-            return
-        for node in dead:
-            graph.erase_node(node)
-        pending = [n for n in pending if n not in dead]
 
 
 def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report: SiteReport) -> None:
@@ -207,8 +198,7 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
     if rank3:
         out = emit("squeeze", out, 0, method=True)
     site.anchor.replace_all_uses_with(_cast_like(emit, out, site.anchor))
-    _erase_unused(gm.graph, site.chain)
-    _erase_dead_inputs(gm.graph, site.mask.nodes())
+    _erase_dead(gm.graph, [*site.chain, *site.mask.nodes()], matched=site.chain)
 
 
 def rewrite_attention(gm: fx.GraphModule, policy: Policy, graph_index: int = 0) -> list[SiteReport]:

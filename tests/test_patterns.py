@@ -769,3 +769,32 @@ def test_additive_causal_mask_is_not_split():
     assert all(r.causal_fast_path and not r.causal_from_mask for r in rec.reports)
     assert all(_op_mask_and_causal(op)[1] is False for op in _op_nodes(rec))
     torch.testing.assert_close(got, expected, **EXACT)
+
+
+# ----------------------------------------------------------------------------------------
+# erasing what the rewrite leaves unused
+# ----------------------------------------------------------------------------------------
+
+
+def test_erase_dead_keeps_in_place_ops_and_follows_inputs():
+    """Unused pure nodes go, and with them inputs nothing else reads; an unused in-place op
+    stays (a later node reads the tensor it changed) unless it belongs to the replaced
+    chain."""
+    from torch import fx
+
+    from qattn_compile.rewrite import _erase_dead
+
+    graph = fx.Graph()
+    x, m = graph.placeholder("x"), graph.placeholder("m")
+    ones = graph.call_function(torch.ones_like, (x,))
+    fill = graph.call_method("masked_fill_", (ones, m, 0.0))  # unused result, mutates `ones`
+    doubled = graph.call_function(operator.mul, (ones, 2))
+    as_float = graph.call_method("float", (x,))
+    dead = graph.call_function(torch.abs, (as_float,))  # only reader of `as_float`
+    graph.output(doubled)
+    _erase_dead(graph, [fill, dead], matched=[])
+    left = {n.name for n in graph.nodes}
+    assert fill.name in left and ones.name in left
+    assert dead.name not in left and as_float.name not in left
+    _erase_dead(graph, [fill], matched=[fill])
+    assert fill.name not in {n.name for n in graph.nodes}
