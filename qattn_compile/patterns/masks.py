@@ -327,12 +327,8 @@ def _bool_kinds(node) -> set[str]:
     """Kinds of a boolean mask where True = attend."""
     kinds = set()
     for leaf in _bool_leaves(node):
-        if leaf is True or _ONES(leaf):
-            continue
-        if _GE(leaf) and _is_index(leaf.args[0]) and leaf.args[1] == 0:
-            continue  # `q_idx >= 0`: transformers' always-true query term
-        if single_sequence(leaf):
-            continue  # a packed-sequence term over positions from arange: one sequence
+        if _always_true(leaf):
+            continue  # `q_idx >= 0`, a packed-sequence term over one sequence, ones
         kind = _compare_kind(leaf) if isinstance(leaf, fx.Node) else None
         kinds.add(kind or ("padding" if _axis(leaf) == "kv" else "bool"))
     return kinds

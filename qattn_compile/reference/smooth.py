@@ -54,9 +54,9 @@ def block_means(x: Tensor, block: int) -> Tensor:
     padded = n_blocks * block
     x_padded = torch.nn.functional.pad(x, (0, 0, 0, padded - length)) if padded != length else x
     sums = x_padded.reshape(*x.shape[:-2], n_blocks, block, x.shape[-1]).sum(dim=-2)
-    counts = [block] * (n_blocks - 1) + [length - (n_blocks - 1) * block]
-    counts_t = sums.new_tensor(counts).unsqueeze(-1)
-    return sums / counts_t
+    starts = torch.arange(n_blocks, device=x.device, dtype=sums.dtype) * block
+    counts = (length - starts).clamp(max=block)  # tokens per block (tensor ops: traceable)
+    return sums / counts.unsqueeze(-1)
 
 
 def expand_blocks(x: Tensor, block: int, length: int) -> Tensor:
