@@ -94,8 +94,12 @@ def group_amax(x: Tensor, group: int) -> Tensor:
 
     x: ``[B, H, L, D]`` (any float dtype). Returns float32 ``[B, H, n_groups]``.
     """
-    grouped = _grouped(x.float().abs(), group)
-    return grouped.amax(dim=(-2, -1)).clamp_min(AMAX_MIN)
+    return _amax_of_groups(_grouped(x.float(), group))
+
+
+def _amax_of_groups(grouped: Tensor) -> Tensor:
+    """Max |x| of each group of ``grouped`` ``[B, H, n_groups, group, D]``, clamped."""
+    return grouped.abs().amax(dim=(-2, -1)).clamp_min(AMAX_MIN)
 
 
 def expand_scales(scale: Tensor, group: int, length: int) -> Tensor:
@@ -108,13 +112,13 @@ def expand_scales(scale: Tensor, group: int, length: int) -> Tensor:
     return per_token.unsqueeze(-1)
 
 
-def _amax_or_given(x: Tensor, group: int, amax: Tensor | float | None) -> Tensor:
-    """Dynamic group amax, or a given one broadcast to ``[B, H, n_groups]`` (float32)."""
-    shape = (*x.shape[:-2], num_groups(x.shape[-2], group))
+def _amax_or_given(grouped: Tensor, amax: Tensor | float | None) -> Tensor:
+    """Dynamic amax of each group of ``grouped`` ``[B, H, n_groups, group, D]``, or a given
+    one broadcast to ``[B, H, n_groups]`` (float32)."""
     if amax is None:
-        return group_amax(x, group)
-    given = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
-    return given.clamp_min(AMAX_MIN).broadcast_to(shape).contiguous()
+        return _amax_of_groups(grouped)
+    given = torch.as_tensor(amax, dtype=torch.float32, device=grouped.device)
+    return given.clamp_min(AMAX_MIN).broadcast_to(grouped.shape[:-2]).contiguous()
 
 
 def quantize_int(
@@ -131,10 +135,12 @@ def quantize_int(
     ``x ≈ q * scale`` and ``|x - q * scale| <= scale / 2`` inside the range.
     """
     qmax = int_qmax(num_bits)
-    scale = _ieee_div(_amax_or_given(x, group, amax), qmax)
-    per_token = expand_scales(scale, group, x.shape[-2])
-    q = torch.round(x.float() / per_token).clamp_(-qmax, qmax)
-    return q.to(torch.int8), scale
+    # One padded, grouped view feeds both the amax and the division: under torch.compile
+    # (qattn_compile.lowering) Inductor then fuses the producer of x (RoPE) into both.
+    grouped = _grouped(x.float(), group)
+    scale = _ieee_div(_amax_or_given(grouped, amax), qmax)
+    q = torch.round(grouped / scale[..., None, None]).clamp_(-qmax, qmax)
+    return q.reshape(*x.shape[:-2], -1, x.shape[-1])[..., : x.shape[-2], :].to(torch.int8), scale
 
 
 def quantize_int_granularity(
@@ -179,7 +185,7 @@ def quantize_fp8(
     x: ``[B, H, L, D]``. Returns ``(q, scale)``: ``q`` float8_e4m3fn ``[B, H, L, D]``,
     ``scale`` float32 ``[B, H, n_groups]`` = amax / 448; ``x ≈ q * scale``.
     """
-    scale = _ieee_div(_amax_or_given(x, group, amax), FP8_E4M3_MAX)
+    scale = _ieee_div(_amax_or_given(_grouped(x.float(), group), amax), FP8_E4M3_MAX)
     per_token = expand_scales(scale, group, x.shape[-2])
     return to_fp8_e4m3(x.float() / per_token), scale
 
