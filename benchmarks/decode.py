@@ -74,7 +74,7 @@ def variants(sweep: bool) -> list[tuple[str, dict]]:
             ("bpi1", {"blocks_per_iter": 1}),
             ("bpi4", {"blocks_per_iter": 4}),
             ("biased", {"codes": "biased"}),
-            ("stages2", {"num_stages": 2}),
+            ("stages3", {"num_stages": 3}),
             ("stages4", {"num_stages": 4}),
             ("bpi4_warps8", {"blocks_per_iter": 4, "num_warps": 8}),
             ("splits_half", {"splits": "half"}),

@@ -354,6 +354,18 @@ def test_decode_kernel_variants_match_reference(blocks_per_iter, codes):
 
 
 @_INTERP
+@pytest.mark.parametrize("blocks_per_iter", [2, 4])
+@pytest.mark.parametrize("d", [32, 48])
+def test_decode_kernel_metadata_prefetch_edges(blocks_per_iter, d):
+    """Block metadata loaded one tile ahead: a ragged last tile, 3 splits (one split's last
+    prefetch reads past the last block), INT4 + INT2 heads, a head dim whose packed rows are
+    not whole words (48)."""
+    layer, _, _ = _filled_layer(1, 2, 490, d, 1, 3, capacity=640)
+    q = torch.randn(1, 8, 1, d, dtype=torch.float16)
+    assert _kernel_error(layer, q, None, None, splits=3, blocks_per_iter=blocks_per_iter) < 2e-3
+
+
+@_INTERP
 @pytest.mark.parametrize("splits", [1, 5, 40])
 @pytest.mark.parametrize("int2_heads", [0, 2])
 def test_decode_kernel_splits_and_single_format_caches(splits, int2_heads):

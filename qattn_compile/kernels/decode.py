@@ -53,10 +53,11 @@ block per iteration, codes dequantized element by element with int→float conve
 channel-quarter dots) measured 0.322 ms at B=8 × 32K (INT4, H100, GQA 32/8) against SDPA's
 0.366, and INT2 was no faster than INT4: it was bound by ~1500 instructions per warp and
 64-token block (sm_90 SASS), not by the bytes. This design compiles to ~560 per warp and
-block at the default ``blocks_per_iter=2`` (Triton 3.6, sm_90) and measured (H100, torch 2.11,
-CUDA graphs) 0.270 ms at B=8 × 32K INT4 (1.36× SDPA's 0.367; 1.05 TB/s of the ~0.29 GB it
-must read) and 0.150–0.176 ms at B=1 × 128K (1.1–1.3× SDPA's 0.195); INT2 is slower than INT4
-(0.336 ms), so it is still instruction-bound, not memory-bound (benchmarks/NOTES.md).
+block at the default ``blocks_per_iter=2`` (Triton 3.6, sm_90). Measured (H100, torch 2.11,
+CUDA graphs) with the block metadata loaded one tile ahead (:func:`_compressed_part`): 0.253 ms
+at B=8 × 32K INT4 (1.44× SDPA's 0.364; 1.1 TB/s of the ~0.29 GB it must read), INT2 0.244
+(half the bytes, nearly the same time): still bound by instructions and latency, not by
+memory (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -106,18 +107,17 @@ class DecodeConfig:
     - ``num_warps``, ``num_stages``: Triton's (stages > 1 prefetch the codes of later tiles
       into shared memory).
 
-    The defaults are the variant with the fewest instructions per block in its sm_90 code
-    (Triton 3.6: 2 blocks per iteration, 4 warps; 168 registers and 68 KB of shared memory,
-    so 3 programs per SM). The H100 sweep (``benchmarks/decode.py --sweep``) put it within
-    2 % of the fastest variant at B=8 × 32K (2 stages: 0.264 vs 0.270 ms); 4 blocks per
-    iteration is 1.8× slower (shared memory limits it to one program per SM).
+    The defaults are the fastest variant of the H100 sweep (``benchmarks/decode.py --sweep``,
+    Triton 3.6) at B=8 × 32K: 2 blocks per iteration, 4 warps, 2 stages (168 registers, 3
+    programs per SM); 3 stages are within 1 %, 4 blocks per iteration 1.8× slower (shared
+    memory limits it to one program per SM), 1 block per iteration 1.3× slower.
     """
 
     splits: int | None = None
     blocks_per_iter: int = 2
     codes: str = "subnormal"
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
     def __post_init__(self):
         if self.blocks_per_iter not in (1, 2, 4):
@@ -212,6 +212,16 @@ def _row_groups(x, GLP: tl.constexpr):
 
 
 @triton.jit
+def _load_meta(ptr, tile, n_blocks, m_blk, ch, ch_ok, BPI: tl.constexpr):
+    """Step or lo ``[BPI, C]`` (``ptr``'s dtype) of the blocks of tile ``tile`` at the code
+    columns' channels ``ch``: ``ptr`` points at ``[NB, D]`` rows ``m_blk`` apart. Blocks past the
+    last (a ragged last tile, or the tile after the last) re-read the last one, and a cache with
+    no compressed block reads block 0."""
+    blk = tl.minimum(tile * BPI + tl.arange(0, BPI), tl.maximum(n_blocks - 1, 0))
+    return tl.load(ptr + blk[:, None] * m_blk + ch[None, :], mask=ch_ok[None, :], other=0)
+
+
+@triton.jit
 def _visible(s, keys, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND: tl.constexpr):
     """Scores ``s`` ``[M, N]`` (log2 units) of keys ``keys`` ``[N]`` for queries at positions
     ``qpos`` ``[M]``: causal, then the user mask; invisible → -inf."""
@@ -276,6 +286,11 @@ def _compressed_part(
     ``m_blk``), ``s8_ptr`` ``[2, NB]`` (``s8_kv``). ``WP``: int32 words per packed row
     (:func:`padded_words`). Returns ``(m, l, acc, ch, ch_ok)``: ``[BPI·GLP]``, ``[BPI·GLP]``,
     ``[BPI·GLP, WP·32/BITS]`` and the channel of each column.
+
+    Each tile's step/lo are loaded one iteration ahead and carried in registers: Triton does
+    not pipeline these loads (one byte per thread, narrower than an async copy), and loaded
+    where they are used, their latency was exposed twice per tile (H100: 0.274 → 0.253 ms at
+    B=8 × 32K INT4, 0.336 → 0.244 INT2, whose register count also drops to 3 programs/SM).
     """
     BLOCK_M: tl.constexpr = BPI * GLP
     TILE: tl.constexpr = BPI * BLOCK_N
@@ -295,14 +310,16 @@ def _compressed_part(
     acc = tl.zeros([BLOCK_M, WP * 32 // BITS], tl.float32)
     toks = tl.arange(0, TILE)
     own = (toks // BLOCK_N)[None, :] == slot[:, None]  # row group j reads block slot j
-    blocks = tl.arange(0, BPI)
+    nk_step = _load_meta(step_ptr, first, n_blocks, m_blk, ch, ch_ok, BPI)
+    nk_lo = _load_meta(lo_ptr, first, n_blocks, m_blk, ch, ch_ok, BPI)
+    nv_step = _load_meta(step_ptr + m_kv, first, n_blocks, m_blk, ch, ch_ok, BPI)
+    nv_lo = _load_meta(lo_ptr + m_kv, first, n_blocks, m_blk, ch, ch_ok, BPI)
     for tile in range(first, last):
         blk = tile * BPI + slot
         blk_in = tl.minimum(blk, n_blocks - 1)  # a ragged last tile re-reads the last block
-        meta = tl.minimum(tile * BPI + blocks, n_blocks - 1)[:, None] * m_blk + ch[None, :]
         key_rows = tl.minimum(tile * TILE + toks, compressed - 1)
-        k_step = _row_groups(tl.load(step_ptr + meta, mask=ch_ok[None, :], other=0), GLP)
-        k_lo = _row_groups(tl.load(lo_ptr + meta, mask=ch_ok[None, :], other=0), GLP)
+        k_step = _row_groups(nk_step, GLP)  # loaded in the previous iteration
+        k_lo = _row_groups(nk_lo, GLP)
         k_s8 = tl.load(s8_ptr + blk_in)
         bias = tl.sum(q * (k_lo + CENTER * k_step), 1)
         kc = _load_codes(codes_ptr, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED)
@@ -312,8 +329,8 @@ def _compressed_part(
         s = tl.where(own & (blk < n_blocks)[:, None], s, float("-inf"))
         s = _visible(s, tile * TILE + toks, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
         m_i, alpha, l_i, p = _softmax_step(s, m_i, l_i)
-        v_step = _row_groups(tl.load(step_ptr + m_kv + meta, mask=ch_ok[None, :], other=0), GLP)
-        v_lo = _row_groups(tl.load(lo_ptr + m_kv + meta, mask=ch_ok[None, :], other=0), GLP)
+        v_step = _row_groups(nv_step, GLP)
+        v_lo = _row_groups(nv_lo, GLP)
         v_s8 = tl.load(s8_ptr + s8_kv + blk_in)
         vc = _load_codes(codes_ptr + c_kv, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED)
         p16 = p.to(tl.float16)
@@ -321,6 +338,10 @@ def _compressed_part(
         pv = tl.dot(p16, vc)
         acc = acc * alpha[:, None] + pv * ((v_s8 * UNIT)[:, None] * v_step)
         acc += (p_sum * v_s8)[:, None] * (v_lo + CENTER * v_step)
+        nk_step = _load_meta(step_ptr, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
+        nk_lo = _load_meta(lo_ptr, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
+        nv_step = _load_meta(step_ptr + m_kv, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
+        nv_lo = _load_meta(lo_ptr + m_kv, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
     return m_i, l_i, acc, ch, ch_ok
 
 
