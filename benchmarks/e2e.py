@@ -8,7 +8,8 @@ The model: hidden 2048, 32 query / 8 key-value heads, head dim 64, MLP 8192, ``-
 decoder layers (8 by default, as in DESIGN.md §6), random bf16 weights, batch 1, run as
 ``model.model(input_ids)`` (no LM head). Reported per sequence length: median latency
 (``triton.testing.do_bench``), peak memory, and the cosine of the last hidden state against
-eager. ``--options '{"pv": "fp16"}'`` passes preset options; ``--profile`` adds, per mode at
+eager. ``--options '{"pv": "fp16"}'`` passes preset options; mode ``qattn-autotune`` is qattn
+with the backend option ``autotune`` (tiles timed at compile time); ``--profile`` adds, per mode at
 the longest length, the torch.profiler table of one call (GPU time per kernel).
 """
 
@@ -67,7 +68,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--preset", default="sage2_8b")
     parser.add_argument("--options", default="{}", help="preset options as JSON")
-    parser.add_argument("--modes", nargs="+", default=["eager", "inductor", "qattn"])
+    parser.add_argument("--modes", nargs="+", default=["eager", "inductor", "qattn"],
+                        choices=["eager", "inductor", "qattn", "qattn-autotune"])
     parser.add_argument("--profile", action="store_true", help="profile each mode at max --seq")
     args = parser.parse_args()
     options = json.loads(args.options)
@@ -87,7 +89,8 @@ def main() -> None:
                 fn = torch.compile(model)
             else:
                 be = qattn_compile.backend({"qattn": 1, "default": args.preset,
-                                            "default_options": options})
+                                            "default_options": options},
+                                           autotune=mode == "qattn-autotune")
                 fn = torch.compile(model, backend=be)
             row = {"mode": mode, "n": n}
             try:

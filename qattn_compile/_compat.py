@@ -81,3 +81,20 @@ def run_and_get_code(fn, *args, **kwargs):
     from torch._inductor.utils import run_and_get_code as _run_and_get_code
 
     return _run_and_get_code(fn, *args, **kwargs)
+
+
+def outside_tracing():
+    """A context in which torch ops run on real tensors even while torch traces (fake,
+    functional and proxy modes suspended): the autotuner times kernels there."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def size_hint(size) -> int | None:
+    """An int for a (possibly symbolic) size: the value a dynamic size was traced with, or
+    None for a size without one (data-dependent)."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return None if hint is None else int(hint)

@@ -28,6 +28,9 @@ OPTION_DOCS = {
     "strict": "true: a rule that matches no site is an error (overrides the policy's `strict`)",
     "report": "path of a JSON file to write the per-site report to",
     "compiler": "inductor (default) or eager (run the rewritten graph without Inductor)",
+    "autotune": "true: time the kernel's tile candidates for every rewritten site while compiling "
+    "(cached on disk; mode=\"max-autotune\" implies it); false: never; unset: as each policy "
+    "rule's options say",
 }
 
 
@@ -39,6 +42,8 @@ class BackendOptions:
     report: Path | None = None
     compiler: str = "inductor"
     mode: str | None = None
+    autotune: bool | None = None
+    """Overrides every rewritten site's ``autotune`` option when not None."""
 
     @classmethod
     def parse(cls, options: dict | None, mode: str | None = None) -> "BackendOptions":
@@ -57,7 +62,13 @@ class BackendOptions:
         if strict is not None:
             policy = policy.with_strict(strict)
         report = options.get("report")
-        return cls(policy=policy, report=Path(report) if report else None, compiler=compiler, mode=mode)
+        autotune = options.get("autotune")
+        if autotune is not None and not isinstance(autotune, bool):
+            raise OptionsError(f"option `autotune` must be true or false, got {autotune!r}")
+        if autotune is None and (mode or "").startswith("max-autotune"):
+            autotune = True
+        return cls(policy=policy, report=Path(report) if report else None, compiler=compiler,
+                   mode=mode, autotune=autotune)
 
 
 class QattnBackend:
@@ -82,7 +93,8 @@ class QattnBackend:
 
     def __call__(self, gm, example_inputs):
         _last[:] = [self]
-        reports = rewrite_attention(gm, self.policy, graph_index=self._graphs)
+        reports = rewrite_attention(gm, self.policy, graph_index=self._graphs,
+                                    autotune=self.options.autotune)
         self._graphs += 1
         self.site_reports.extend(reports)
         emit_site_report(reports, self.unmatched_rules(), self._graphs - 1)

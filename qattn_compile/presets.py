@@ -72,6 +72,11 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
 ``none``
     Leave the site as it is.
+
+Every preset that runs a kernel also takes ``autotune`` (:class:`KernelOptions`): time the
+kernel's tile candidates on the GPU and keep the fastest (:mod:`qattn_compile.kernels.autotune`)
+instead of the built-in table. It changes launch parameters, not the math, except that
+``p_scale: tile`` quantizes P over the chosen ``block_n`` keys.
 """
 
 from __future__ import annotations
@@ -95,7 +100,22 @@ class PresetOptions(BaseModel):
 
 
 class NoOptions(PresetOptions):
-    """Presets without options (``none``, ``flash``)."""
+    """The ``none`` preset's options (there are none)."""
+
+
+class KernelOptions(PresetOptions):
+    """Options every preset that runs a qattn kernel has (the base of their option classes)."""
+
+    autotune: bool = Field(
+        False,
+        description="Time the kernel's tile-size candidates on the GPU and keep the fastest "
+        "(once per shape class, cached on disk; see qattn_compile.kernels.autotune) instead of "
+        "the built-in table.",
+    )
+
+
+class FlashOptions(KernelOptions):
+    """Options of ``flash`` (only the kernel's)."""
 
 
 PScale = Literal["tile", "row"]
@@ -105,7 +125,7 @@ _P_SCALE_HELP = (
 )
 
 
-class IntFlashOptions(PresetOptions):
+class IntFlashOptions(KernelOptions):
     """Options of ``int_flash`` (INT-FlashAttention)."""
 
     v_granularity: Literal["tensor", "block"] = Field(
@@ -149,7 +169,7 @@ class StaticScales(BaseModel):
         return out
 
 
-class FmhaInt8Options(PresetOptions):
+class FmhaInt8Options(KernelOptions):
     """Options of ``fmha_int8`` (INT8 FMHA).
 
     Static mode: ``scales: static`` with ``calibration: <file of qattn calibrate>``. The
@@ -186,7 +206,7 @@ class FmhaInt8Options(PresetOptions):
         return self
 
 
-class Sage2Options(PresetOptions):
+class Sage2Options(KernelOptions):
     """Options of ``sage2_8b`` and ``sage2_4b`` (SageAttention2)."""
 
     qk_granularity: Literal["warp", "block", "token"] = Field(
@@ -210,7 +230,7 @@ class Sage2Options(PresetOptions):
         return self
 
 
-class TurboOptions(PresetOptions):
+class TurboOptions(KernelOptions):
     """Options of ``turbo`` (TurboAttention)."""
 
     exp: Literal["sas", "hardware"] = Field(
@@ -220,7 +240,7 @@ class TurboOptions(PresetOptions):
     p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
 
 
-class Fp8Options(PresetOptions):
+class Fp8Options(KernelOptions):
     """Options of ``fp8`` (FlashAttention-3-style FP8)."""
 
     granularity: Literal["tensor", "block"] = Field(
@@ -230,7 +250,7 @@ class Fp8Options(PresetOptions):
 
 PRESET_OPTIONS: dict[str, type[PresetOptions]] = {
     "none": NoOptions,
-    "flash": NoOptions,
+    "flash": FlashOptions,
     "int_flash": IntFlashOptions,
     "fmha_int8": FmhaInt8Options,
     "sage2_8b": Sage2Options,

@@ -37,6 +37,7 @@ from .patterns import AttentionSite, find_attention_sites
 from .patterns.masks import MaskSpec, split_causal
 from .patterns.nodes import example_value, shape_of, tensor_value
 from .policy import Decision, Policy
+from .presets import KernelOptions
 from .report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
 
 log = logging.getLogger("qattn_compile.rewrite")
@@ -201,8 +202,13 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
     _erase_dead(gm.graph, [*site.chain, *site.mask.nodes()], matched=site.chain)
 
 
-def rewrite_attention(gm: fx.GraphModule, policy: Policy, graph_index: int = 0) -> list[SiteReport]:
+def rewrite_attention(
+    gm: fx.GraphModule, policy: Policy, graph_index: int = 0, autotune: bool | None = None
+) -> list[SiteReport]:
     """Rewrite every site ``policy`` chooses a preset for; report every site found.
+
+    ``autotune`` (not None) overrides the ``autotune`` option of every rewritten site
+    (the backend option of that name).
 
     Every site is decided first (in graph order); the chosen ones are then replaced from the
     last to the first, so that a site reading an earlier site's output (the next layer's
@@ -214,6 +220,8 @@ def rewrite_attention(gm: fx.GraphModule, policy: Policy, graph_index: int = 0) 
     reports, chosen = [], []
     for site in find_attention_sites(gm):
         decision = policy.decide(site.fqn, site.module_class)
+        if autotune is not None and isinstance(decision.options, KernelOptions):
+            decision = dataclasses.replace(decision, options=decision.options.model_copy(update={"autotune": autotune}))
         report = _decide(site, decision, policy, graph_index)
         reports.append(report)
         if report.status == REWRITTEN:

@@ -1,5 +1,6 @@
 """On the GPU: compiled sites become Triton code that Inductor inlines (no opaque op call)."""
 
+import json
 import re
 
 import pytest
@@ -146,3 +147,37 @@ def test_bool_mask_sites_are_inlined_by_inductor(kind, causal_from_arange):
     assert "torch.ops.qattn" not in code, "the op must be inlined, not called"
     ref = exact_attention(q.float(), k.float(), v.float(), attn_mask=module.mask(q, keep))
     assert compare(out, ref)["cos"] > 0.998
+
+
+def test_autotune_while_compiling_then_a_second_compile_reads_the_cache(tmp_path, monkeypatch):
+    """``autotune: true`` times the tile candidates while Inductor traces the op (fake
+    tensors outside, real random inputs inside the tuner) and bakes the winner into the
+    inlined kernel; a second compile with Inductor's caches off reads the tuner's file and
+    times nothing."""
+    from qattn_compile.kernels import autotune
+
+    monkeypatch.setenv(autotune.CACHE_DIR_ENV, str(tmp_path))
+    autotune.clear_memory()
+    autotune.stats.clear()
+    q, k, v = _inputs()
+    ref = exact_attention(q.float(), k.float(), v.float(), is_causal=True)
+    for attempt in range(2):
+        _compat.reset_dynamo()
+        autotune.clear_memory()  # as in a new process: only the file remains
+        be = qattn_compile.backend({"qattn": 1, "default": "sage2_8b"}, autotune=True)
+        compiled = torch.compile(CausalAttention(), backend=be, fullgraph=True)
+        with torch._inductor.config.patch(force_disable_caches=True):
+            out, codes = _compat.run_and_get_code(compiled, q, k, v)
+        code = "\n".join(codes)
+        assert "def attention_kernel(" in code and "torch.ops.qattn" not in code
+        assert compare(out, ref)["cos"] > 0.998
+        # tracing visits the op body more than once: the first visit tunes, later ones hit
+        assert autotune.stats["tuned"] == 1, (attempt, dict(autotune.stats))
+        hits = autotune.stats["hits"]
+        if attempt == 1:
+            assert hits > first_hits, dict(autotune.stats)
+        first_hits = hits
+    entries = json.loads(autotune.cache_path().read_text())["entries"]
+    assert len(entries) == 1
+    (entry,) = entries.values()
+    assert len(entry["timings_ms"]) >= 3 and min(entry["timings_ms"].values()) > 0

@@ -19,6 +19,7 @@ from qattn_compile.policy import (
 )
 from qattn_compile.presets import (
     PRESET_NAMES,
+    FlashOptions,
     FmhaInt8Options,
     IntFlashOptions,
     NoOptions,
@@ -83,7 +84,7 @@ def test_every_field_is_parsed():
     assert r1.match == "re:model\\.layers\\.(0|31)\\.self_attn"
     assert r1.options == FmhaInt8Options(scales="static", calibration="scales.json")
     assert (r2.match, r2.module_class, r2.preset, r2.options) == (
-        None, "BertSelfAttention", "flash", NoOptions())
+        None, "BertSelfAttention", "flash", FlashOptions())
     assert (r3.match, r3.module_class, r3.preset) == ("enc.*", "*Attention", "turbo")
     assert r3.options == TurboOptions()
 
@@ -147,7 +148,7 @@ def test_policy_is_immutable():
                                       "allowed keys: qattn, default, default_options, ignore, "
                                       "on_unsupported, strict, rules"]),
         ("qattn: 1\ndefault: flash\ndefault_options: {x: 1}",
-         ["field `default_options`", "bad options for preset 'flash'", "(no options)"]),
+         ["field `default_options`", "bad options for preset 'flash'", "Allowed: autotune (default False)"]),
         ("qattn: 1\nignore: ['re:(']", ["field `ignore`", "ignore[0]", "bad regular expression"]),
         ("qattn: 1\nignore: [a, 3]", ["ignore[1]", "must be a string", "got a number 3"]),
     ],

@@ -11,6 +11,7 @@ Public API (same semantics as :func:`qattn_compile.reference.reference_attention
 
 Modules: :mod:`.attention` (the one kernel template), :mod:`.quantize` (quantizer/smoothing
 kernels), :mod:`.mask` (per-tile mask summary), :mod:`.heuristics` (the launch table),
+:mod:`.autotune` (timed tile choice with an on-disk cache), :mod:`.decode` (FlashQ decode),
 :mod:`.launch` (per-preset operand preparation and the launcher), :mod:`.primitives`
 (shared Triton helpers). CPU tensors run under ``TRITON_INTERPRET=1`` (tests only).
 """

@@ -3,7 +3,9 @@
 Attention kernels are looked up by ``(preset, padded head dim, arch)``; quantizer kernels by
 ``(padded head dim, arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
 anything else with CUDA) or ``"interp"`` (the Triton interpreter on CPU tensors, where small
-tiles keep tests fast and still cover several tiles per row).
+tiles keep tests fast and still cover several tiles per row). The candidates the autotuner
+times (:func:`attention_candidates`, :mod:`.autotune`) live here too, under the same
+constraints.
 
 Constraints the launchers rely on (checked by :func:`attention_config`):
 
@@ -159,6 +161,22 @@ def qk_block_dim(head_dim: int, packed_int4: bool) -> int:
     return max(padded_dim(head_dim), 64) if packed_int4 else padded_dim(head_dim)
 
 
+def _constrained(cfg: AttentionConfig, per_block_v: bool, smooth_q: bool) -> AttentionConfig:
+    """``cfg`` shrunk to meet the divisibility constraints that apply (module docstring)."""
+    if per_block_v:
+        cfg = replace(cfg, block_n=math.gcd(cfg.block_n, QUANT_BLOCK_KV))
+    if smooth_q:
+        cfg = replace(cfg, block_m=math.gcd(cfg.block_m, SMOOTH_Q_BLOCK))
+    return cfg
+
+
+def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype) -> AttentionConfig:
+    """The table entry (or the interpreter's tile) before the constraints."""
+    if arch == "interp":
+        return _INTERP_ATTENTION
+    return _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), padded_dim(head_dim), arch)]
+
+
 def attention_config(
     preset: str,
     head_dim: int,
@@ -170,24 +188,17 @@ def attention_config(
     override: AttentionConfig | None = None,
 ) -> AttentionConfig:
     """Tile sizes for the attention kernel of ``preset`` at ``head_dim`` on ``device`` for
-    inputs of ``dtype`` (``override``: a caller's choice, e.g. a benchmark sweep).
+    inputs of ``dtype`` (``override``: a caller's choice, e.g. a benchmark sweep or the
+    autotuner's pick).
 
     ``per_block_v``/``smooth_q`` state which divisibility constraints (module docstring)
     apply: a table entry is shrunk to meet them (e.g. ``int_flash`` with per-block V keeps
     64-token key tiles); an ``override`` that breaks one raises ``ValueError``.
     """
-    arch = arch_of(device)
     if override is not None:
         cfg = override
     else:
-        if arch == "interp":
-            cfg = _INTERP_ATTENTION
-        else:
-            cfg = _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), padded_dim(head_dim), arch)]
-        if per_block_v:
-            cfg = replace(cfg, block_n=math.gcd(cfg.block_n, QUANT_BLOCK_KV))
-        if smooth_q:
-            cfg = replace(cfg, block_m=math.gcd(cfg.block_m, SMOOTH_Q_BLOCK))
+        cfg = _constrained(_table_config(preset, head_dim, arch_of(device), dtype), per_block_v, smooth_q)
     if cfg.block_n % V_COLSUM_TOKENS:
         raise ValueError(f"block_n={cfg.block_n} must be a multiple of {V_COLSUM_TOKENS}")
     if per_block_v and QUANT_BLOCK_KV % cfg.block_n:
@@ -195,6 +206,66 @@ def attention_config(
     if smooth_q and SMOOTH_Q_BLOCK % cfg.block_m:
         raise ValueError(f"block_m={cfg.block_m} must divide SMOOTH_Q_BLOCK={SMOOTH_Q_BLOCK}")
     return cfg
+
+
+# Autotuning candidates per arch and padded head dim (besides the table entry, tried first).
+# sm90: the tiles benchmarks/sweep.py found competitive on the H100 for some preset or dim.
+_SM90_SMALL_CANDIDATES = (
+    AttentionConfig(128, 64, 4, 3, tma=True),
+    AttentionConfig(128, 64, 4, 3),
+    AttentionConfig(128, 64, 8, 3),
+    AttentionConfig(64, 64, 4, 3),
+    AttentionConfig(128, 128, 8, 2, tma=True),
+)
+_CANDIDATES: dict[tuple[str, int], tuple[AttentionConfig, ...]] = {
+    ("sm90", 32): _SM90_SMALL_CANDIDATES,
+    ("sm90", 64): _SM90_SMALL_CANDIDATES,
+    ("sm90", 128): (
+        AttentionConfig(128, 128, 8, 2, tma=True),
+        AttentionConfig(128, 128, 8, 3, tma=True),
+        AttentionConfig(128, 64, 8, 3, tma=True),
+        AttentionConfig(128, 64, 4, 3, tma=True),
+        AttentionConfig(128, 64, 8, 2),
+        AttentionConfig(64, 64, 4, 3),
+    ),
+    ("sm90", 256): (
+        AttentionConfig(64, 32, 8, 2),
+        AttentionConfig(64, 64, 8, 2),
+        AttentionConfig(128, 32, 8, 2),
+        AttentionConfig(64, 32, 4, 2),
+    ),
+    **{("sm80", dim): (
+        AttentionConfig(64, 64, 4, 2),
+        AttentionConfig(128, 64, 4, 2),
+        AttentionConfig(64, 32, 4, 2),
+        AttentionConfig(128, 32, 8, 2),
+    ) for dim in _DIMS},
+    # the interpreter: a couple of tiles, so that tests exercise a real choice
+    **{("interp", dim): (AttentionConfig(32, 32, 4, 1), AttentionConfig(64, 32, 4, 1)) for dim in _DIMS},
+}
+
+
+def attention_candidates(
+    preset: str,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float16,
+    *,
+    per_block_v: bool = False,
+    smooth_q: bool = False,
+) -> list[AttentionConfig]:
+    """The configs :mod:`.autotune` times for ``preset`` at ``head_dim`` on ``device``: the
+    table entry first, then the arch's candidates, each shrunk to the constraints that
+    apply (as :func:`attention_config`), without duplicates. A candidate may still not fit
+    the GPU's shared memory; the tuner skips those."""
+    arch = arch_of(device)
+    first = _table_config(preset, head_dim, arch, dtype)
+    out: list[AttentionConfig] = []
+    for cfg in (first, *_CANDIDATES[(arch, padded_dim(head_dim))]):
+        cfg = _constrained(cfg, per_block_v, smooth_q)
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
 def quant_config(head_dim: int, device: torch.device, min_tokens: int = 1) -> QuantConfig:

@@ -17,14 +17,17 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
+from .. import _compat
 from ..blocks import SMOOTH_Q_BLOCK, group_sizes
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
 from . import attention as ak
+from . import autotune
 from .heuristics import (
     V_COLSUM_TOKENS,
     AttentionConfig,
     arch_of,
+    attention_candidates,
     attention_config,
     padded_dim,
     qk_block_dim,
@@ -411,7 +414,8 @@ def prepare_attention(
     config: AttentionConfig | None = None,
 ) -> PreparedAttention:
     """Validate, smooth/quantize the operands of ``preset`` and plan the launch (tiles from
-    :mod:`.heuristics` unless ``config`` is given, mask summary from :mod:`.mask`).
+    ``config`` if given, else from :mod:`.autotune` when the options say ``autotune``, else
+    from the table of :mod:`.heuristics`; mask summary from :mod:`.mask`).
     Arguments as :func:`kernel_attention`; ``Lq`` and ``Lkv`` must be positive."""
     opts, static = _resolve(preset, options, static_scales, q.device)
     reason = _unsupported(q.shape, k.shape, v.shape, q.dtype, q.device, preset)
@@ -423,8 +427,13 @@ def prepare_attention(
     qk_mul = tau * LOG2E
     ops = _PREPARE[preset](q, k, v, opts, qk_mul, static)
     per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
+    smooth_q = ops.delta_s is not None
+    if config is None and getattr(opts, "autotune", False):
+        candidates = attention_candidates(preset, max(dim, dv), q.device, q.dtype,
+                                          per_block_v=per_block_v, smooth_q=smooth_q)
+        config = _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale, candidates)
     cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, per_block_v=per_block_v,
-                           smooth_q=ops.delta_s is not None, override=config)
+                           smooth_q=smooth_q, override=config)
     mask = plan_mask(attn_mask, (bsz, hq, lq, lkv), cfg.block_m, cfg.block_n, bool(is_causal))
     quantize_out = preset == "fmha_int8" and opts.quantize_output
     logger.debug("qattn kernel %s on %s: cfg=%s", preset, arch_of(q.device), cfg)
@@ -434,6 +443,36 @@ def prepare_attention(
         shape=(bsz, hq, hkv, lq, lkv, dim), out_shape=(bsz, hq, lq, dv),
         out_dtype=torch.float32 if quantize_out else q.dtype,
     )
+
+
+def _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale,
+               candidates: list[AttentionConfig]) -> AttentionConfig | None:
+    """The fastest of ``candidates`` for this call (:func:`.autotune.tuned_config`), timed on
+    random inputs of the call's shapes and memory layouts (an all-visible mask of the same shape and kind for a
+    masked call); None (the table decides) when a size has no hint to tune at."""
+    shapes = [tuple(_compat.size_hint(s) for s in t.shape) for t in (q, k, v)]
+    strides = [tuple(_compat.size_hint(s) for s in t.stride()) for t in (q, k, v)]
+    mask_shape = () if attn_mask is None else tuple(_compat.size_hint(s) for s in attn_mask.shape)
+    if None in mask_shape or any(None in shape for shape in shapes + strides):
+        logger.warning("qattn autotune: %s has a data-dependent size (q %s); using the table's tiles",
+                       preset, tuple(q.shape))
+        return None
+    key = autotune.TuneKey.of(preset, opts, *shapes, q.dtype, attn_mask, is_causal)
+
+    def make_inputs():
+        q_, k_, v_ = (autotune.random_like_layout(shape, stride, q.dtype, q.device)
+                      for shape, stride in zip(shapes, strides))
+        if attn_mask is None:
+            return q_, k_, v_, None
+        fill = torch.ones if attn_mask.dtype == torch.bool else torch.zeros
+        return q_, k_, v_, fill(mask_shape, dtype=attn_mask.dtype, device=q.device)
+
+    def measure(cfg: AttentionConfig, inputs) -> float:
+        call = prepare_attention(*inputs[:4], is_causal, scale, preset, opts,
+                                 static_scales=static_scales, config=cfg)
+        return autotune.time_call(call.run, q.device)
+
+    return autotune.tuned_config(key, q.device, candidates, make_inputs, measure)
 
 
 def kernel_attention(

@@ -1,0 +1,134 @@
+"""One Llama attention block at short context: qattn (quantizers fused) vs SDPA cuDNN.
+
+Run on the GPU machine from the repository root::
+
+    PYTHONPATH=. python3 benchmarks/block.py --out $OUT/block.json
+
+The block is transformers' ``LlamaAttention`` (Q/K/V projections, RoPE, causal attention,
+output projection) of a Llama-3.2-1B-shaped layer (hidden 2048, 32/8 heads, head dim 64) and
+of a Llama-3-8B-shaped one (hidden 4096, 32/8 heads, head dim 128), random bf16 weights,
+``--batch`` × ``--seq`` tokens (4 × 1024 by default), no attention mask (transformers then
+calls SDPA with ``is_causal``). Modes:
+
+- ``eager-cudnn``: the block as is, SDPA restricted to the cuDNN backend;
+- ``inductor-cudnn``: ``torch.compile`` (Inductor) of the block, SDPA restricted to cuDNN;
+- ``inductor``: ``torch.compile`` with SDPA's own backend choice;
+- ``qattn:<preset>``: ``backend="qattn"`` with the preset on the site (the quantizers are
+  Inductor ops fused with RoPE, the attention kernel inlined); ``--autotune`` adds the
+  same with the ``autotune`` option.
+
+Each mode is timed as the median of ``triton.testing.do_bench`` over a CUDA-graph replay of
+one call (so launch overhead, which differs between eager and compiled code, is out of the
+comparison) and reported with its cosine to ``eager-cudnn``; ``--profile`` adds the GPU time
+per kernel of one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import time
+
+import torch
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+import qattn_compile
+from qattn_compile import _compat
+from qattn_compile.metrics import compare
+
+log = logging.getLogger("benchmarks.block")
+SHAPES = {"1b": (2048, 64), "8b": (4096, 128)}  # hidden size, head dim (32 query / 8 kv heads)
+
+
+def build_block(shape: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    hidden, head_dim = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=hidden, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=head_dim, max_position_embeddings=65536, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    block = LlamaAttention(cfg, layer_idx=0).to("cuda", torch.bfloat16).eval()
+    return block, LlamaRotaryEmbedding(cfg).to("cuda")
+
+
+def graph_ms(fn) -> float:
+    """Median ms of a CUDA-graph replay of ``fn`` (captured after two warm-up calls)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
+
+
+def profile_table(fn) -> str:
+    """GPU time per kernel of one call (after the timed replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="block.json")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--presets", nargs="+", default=["sage2_8b", "int_flash", "fp8"])
+    parser.add_argument("--autotune", action="store_true", help="also time each preset autotuned")
+    parser.add_argument("--profile", action="store_true", help="log each mode's GPU time per kernel")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+               "batch": args.batch, "seq": args.seq, "rows": []}
+    modes = ["eager-cudnn", "inductor-cudnn", "inductor"] + [f"qattn:{p}" for p in args.presets]
+    if args.autotune:
+        modes += [f"qattn:{p}:autotune" for p in args.presets]
+    for shape in args.shapes:
+        block, rope = build_block(shape)
+        hidden = torch.randn(args.batch, args.seq, SHAPES[shape][0], device="cuda", dtype=torch.bfloat16)
+        positions = torch.arange(args.seq, device="cuda")[None].expand(args.batch, -1)
+        cos_sin = rope(hidden, positions)
+        reference = None
+        for mode in modes:
+            _compat.reset_dynamo()
+            cudnn = mode.endswith("cudnn")
+            if mode.startswith("eager"):
+                fn = block
+            elif mode.startswith("inductor"):
+                fn = torch.compile(block)
+            else:
+                _, preset, *tuned = mode.split(":")
+                be = qattn_compile.backend({"qattn": 1, "default": preset}, autotune=bool(tuned))
+                fn = torch.compile(block, backend=be)
+            row = {"shape": shape, "mode": mode}
+            try:
+                with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if cudnn else contextlib.nullcontext():
+                    call = lambda: fn(hidden, cos_sin, None)[0]  # noqa: E731
+                    out = call()
+                    row["ms"] = graph_ms(call)
+                    if args.profile:
+                        row["profile"] = profile_table(call)
+                        log.info("profile %s %s\n%s", shape, mode, row["profile"])
+                reference = out if reference is None else reference
+                row["cos_vs_eager_cudnn"] = compare(out, reference)["cos"]
+            except Exception as exc:  # reported in the table; the other modes still run
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            results["rows"].append(row)
+            log.info("%s B=%d N=%d %-22s %s", shape, args.batch, args.seq, mode,
+                     row.get("error") or f"{row['ms'] * 1e3:8.1f} us  cos {row['cos_vs_eager_cudnn']:.5f}")
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

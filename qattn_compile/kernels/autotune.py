@@ -1,0 +1,242 @@
+"""Autotuning of the attention kernel's tile sizes, with an on-disk cache.
+
+A call whose preset options say ``autotune: true`` (a policy rule's options, or every site
+with the backend option ``autotune: true`` or ``mode="max-autotune"``) gets its
+:class:`~.heuristics.AttentionConfig` by timing the candidates of
+:func:`.heuristics.attention_candidates` instead of taking the table entry. Without it the
+table of :mod:`.heuristics` decides, as before.
+
+When it times. Under ``torch.compile`` the op body is traced while Inductor compiles the
+graph, on fake tensors: the tuner then steps outside tracing
+(:func:`qattn_compile._compat.outside_tracing`), makes real random inputs of the traced
+shapes (a dynamic size is tuned at the size it was traced with), times every candidate and
+returns the fastest, which the compiled code then carries as constants. Eagerly it times at
+the first call of a new :class:`TuneKey`. What is timed is the attention kernel alone (the
+quantizers do not depend on the tiles), on inputs laid out as the call's are, as CUDA-graph
+replays with a cold L2 (:func:`time_call`: a plain timing of a short kernel measures
+Python's launch cost, which favoured pointer loads over TMA by 2-3x at N=1K on the H100).
+A candidate that does not fit the
+GPU (Triton's ``OutOfResources``) is skipped.
+
+Where results live. In memory, and in ``<cache dir>/autotune.json`` (``$QATTN_CACHE_DIR``,
+default ``~/.cache/qattn``) under the key's text plus the environment (GPU name, torch and
+Triton versions, a hash of the kernel's source): a second compile, in this process or a new
+one, does not time again, and a different GPU, Triton or kernel does. Batch and lengths
+are keyed by their power-of-two bucket. :data:`stats` counts tunings and cache hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from torch import Tensor
+from triton.runtime.errors import OutOfResources
+
+from .. import _compat
+from .heuristics import AttentionConfig
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "QATTN_CACHE_DIR"
+"""Environment variable naming the cache directory (default ``~/.cache/qattn``)."""
+CACHE_FILE = "autotune.json"
+CACHE_VERSION = 1
+"""Bumped when the file's layout changes (older files are then ignored)."""
+_KERNEL_SOURCES = ("attention.py", "primitives.py")
+"""Files of this package whose text is the kernel: a change re-tunes."""
+
+stats: Counter = Counter()
+"""``tuned``: keys timed in this process; ``hits``: keys served from memory or disk."""
+_memory: dict[str, AttentionConfig] = {}
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (keys share a tuning across nearby sizes)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    """What the fastest tile depends on: one tuning per distinct key."""
+
+    preset: str
+    options: str
+    """The preset's options as JSON, without ``autotune``."""
+    dtype: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_kv: int
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    mask: str
+    """``none``, ``bool`` or ``additive``."""
+
+    @classmethod
+    def of(cls, preset: str, options, q_shape, k_shape, v_shape, dtype: torch.dtype,
+           attn_mask: Tensor | None, is_causal: bool) -> "TuneKey":
+        """The key of a call: shapes ``[B, H, L, D]`` as size hints (ints), bucketed."""
+        options = options.model_copy(update={"autotune": False}).to_json()
+        mask = "none" if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
+        (b, hq, lq, d), (_, hkv, lkv, _), dv = q_shape, k_shape, v_shape[-1]
+        return cls(preset, options, str(dtype).removeprefix("torch."), _bucket(b), hq, hkv,
+                   _bucket(lq), _bucket(lkv), d, dv, bool(is_causal), mask)
+
+    def text(self, device: torch.device) -> str:
+        """The cache entry's name: this key plus the environment of ``device``."""
+        return json.dumps({**dataclasses.asdict(self), **_environment(device)}, sort_keys=True)
+
+
+def _environment(device: torch.device) -> dict:
+    """What else a timing depends on: the GPU, the library versions, the kernel source."""
+    source = hashlib.sha256()
+    for name in _KERNEL_SOURCES:
+        source.update((Path(__file__).parent / name).read_bytes())
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+    else:
+        gpu = f"interpreter on {platform.machine()}"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+            "kernel": source.hexdigest()[:16]}
+
+
+def cache_path() -> Path:
+    """``$QATTN_CACHE_DIR/autotune.json`` (default directory ``~/.cache/qattn``)."""
+    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "qattn"
+    return Path(root) / CACHE_FILE
+
+
+def _read(path: Path) -> dict[str, dict]:
+    """The entries of the cache file (empty when missing; a file that cannot be read is
+    reported and then replaced on the next write)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("qattn autotune: ignoring unreadable cache %s (%s)", path, exc)
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        logger.warning("qattn autotune: ignoring cache %s (not version %d)", path, CACHE_VERSION)
+        return {}
+    return data.get("entries", {})
+
+
+def _write(path: Path, name: str, entry: dict) -> None:
+    """Add one entry to the cache file (read, merge, replace atomically)."""
+    entries = _read(path)
+    entries[name] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _cached(name: str, path: Path) -> AttentionConfig | None:
+    """The config stored under ``name`` in memory or in ``path``, or None."""
+    if name in _memory:
+        return _memory[name]
+    entry = _read(path).get(name)
+    if entry is None:
+        return None
+    try:
+        cfg = AttentionConfig(**entry["config"])
+    except (KeyError, TypeError) as exc:
+        logger.warning("qattn autotune: ignoring malformed cache entry in %s (%s)", path, exc)
+        return None
+    _memory[name] = cfg
+    return cfg
+
+
+def time_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds one call of ``fn`` takes on the GPU: ``fn`` captured in a CUDA graph,
+    then the median of ``triton.testing.do_bench`` over replays (which clears the L2 cache
+    before each). The graph keeps the host's launch cost, which Inductor's compiled code
+    does not pay per call, out of the timing; the cold L2 keeps a short kernel from being
+    timed on inputs a model would not have cached. Under the interpreter: one call's wall
+    time after a first call."""
+    if device.type != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median")
+
+
+def random_like_layout(shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype,
+                       device: torch.device) -> Tensor:
+    """N(0, 1) values of ``shape`` whose dims lie in memory in the order of ``strides``
+    (e.g. ``[B, H, L, D]`` stored ``[B, L, H, D]``, as a transposed projection output is), so
+    that the timed kernel reads the layout the call will read."""
+    order = sorted(range(len(shape)), key=lambda d: (-strides[d], d))
+    base = torch.randn([shape[d] for d in order], dtype=dtype, device=device)
+    return base.permute([order.index(d) for d in range(len(shape))])
+
+
+def tuned_config(
+    key: TuneKey,
+    device: torch.device,
+    candidates: Sequence[AttentionConfig],
+    make_inputs: Callable[[], object],
+    measure: Callable[[AttentionConfig, object], float],
+) -> AttentionConfig:
+    """The fastest of ``candidates`` for ``key`` on ``device``, from the cache or timed.
+
+    On a miss: ``inputs = make_inputs()`` then ``measure(cfg, inputs)`` (milliseconds) per
+    candidate, all outside tracing; the winner is stored in memory and on disk. Raises
+    ``RuntimeError`` when no candidate fits the GPU.
+    """
+    name, path = key.text(device), cache_path()
+    cfg = _cached(name, path)
+    if cfg is not None:
+        stats["hits"] += 1
+        return cfg
+    timings: dict[AttentionConfig, float] = {}
+    with _compat.outside_tracing():
+        inputs = make_inputs()
+        for candidate in candidates:
+            try:
+                timings[candidate] = measure(candidate, inputs)
+            except OutOfResources as exc:
+                logger.info("qattn autotune: %s skipped: %s", candidate, exc)
+        del inputs
+    if not timings:
+        raise RuntimeError(f"qattn autotune: no candidate tile fits this GPU for {key}")
+    best = min(timings, key=timings.get)
+    stats["tuned"] += 1
+    logger.info("qattn autotune: %s %s D=%d Lq~%d Lkv~%d causal=%s -> %s (%.3f ms; table %s %.3f ms)",
+                key.preset, key.dtype, key.head_dim, key.len_q, key.len_kv, key.causal, best,
+                timings[best], candidates[0], timings.get(candidates[0], float("nan")))
+    _memory[name] = best
+    _write(path, name, {
+        "config": dataclasses.asdict(best),
+        "timings_ms": {json.dumps(dataclasses.asdict(c)): ms for c, ms in timings.items()},
+        "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    })
+    return best
+
+
+def clear_memory() -> None:
+    """Forget the in-memory results (the disk cache stays): the next lookup reads the file."""
+    _memory.clear()

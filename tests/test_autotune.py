@@ -1,0 +1,197 @@
+"""Autotuning of the attention kernel's tiles (qattn_compile.kernels.autotune) on CPU.
+
+The kernels run under the Triton interpreter; timings are injected (an interpreter's wall
+time says nothing about a GPU), so the tests check what the tuner does with them: the
+fastest candidate is chosen and used, written to the cache file, read back without timing
+again, and re-timed when the key or the file says so. The GPU side (tuning while Inductor
+traces, a second compile not re-tuning) is in tests/test_lowering_gpu.py.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+import qattn_compile  # noqa: E402
+from qattn_compile import _compat  # noqa: E402
+from qattn_compile.dynamo_backend import QattnBackend  # noqa: E402
+from qattn_compile.kernels import autotune, kernel_attention, prepare_attention  # noqa: E402
+from qattn_compile.kernels.heuristics import AttentionConfig, attention_candidates  # noqa: E402
+from qattn_compile.presets import resolve_options  # noqa: E402
+from qattn_compile.reference import exact_attention, reference_attention  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="interpreter tests (CPU); the GPU side is in tests/test_lowering_gpu.py",
+)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+    """Every test gets an empty cache directory, no in-memory results and zeroed stats."""
+    monkeypatch.setenv(autotune.CACHE_DIR_ENV, str(tmp_path))
+    autotune.clear_memory()
+    autotune.stats.clear()
+    yield
+    autotune.clear_memory()
+
+
+def _fake_timer(times_ms):
+    """A ``time_call`` that runs the candidate once (it must work) and then reports the next
+    of ``times_ms``; records how often it was called."""
+    calls = []
+
+    def time_call(fn, device):
+        out = fn()
+        assert not out.isnan().any()
+        calls.append(out)
+        return times_ms[len(calls) - 1]
+
+    return time_call, calls
+
+
+def _qkv(lq=45, d=64):
+    return (torch.randn(1, 2, lq, d, dtype=torch.float16) for _ in range(3))
+
+
+def test_fastest_candidate_is_used_cached_and_not_retimed(monkeypatch):
+    candidates = attention_candidates("int_flash", 64, CPU, torch.float16)
+    assert len(candidates) >= 2 and candidates[0] != candidates[1]
+    times = [5.0, 1.0] + [9.0] * (len(candidates) - 2)  # the second candidate is fastest
+    timer, calls = _fake_timer(times)
+    monkeypatch.setattr(autotune, "time_call", timer)
+    q, k, v = _qkv()
+    opts = {"autotune": True}
+    call = prepare_attention(q, k, v, preset="int_flash", options=opts)
+    assert call.cfg == candidates[1]
+    assert len(calls) == len(candidates) and autotune.stats["tuned"] == 1
+
+    entries = json.loads(autotune.cache_path().read_text())["entries"]
+    (name, entry), = entries.items()
+    assert AttentionConfig(**entry["config"]) == candidates[1]
+    assert len(entry["timings_ms"]) == len(candidates)
+    assert json.loads(name)["preset"] == "int_flash"
+
+    # a new process: memory empty, the file answers; nothing is timed again
+    autotune.clear_memory()
+    monkeypatch.setattr(autotune, "time_call", lambda fn, device: pytest.fail("re-tuned"))
+    out = kernel_attention(q, k, v, preset="int_flash", options=opts)
+    assert prepare_attention(q, k, v, preset="int_flash", options=opts).cfg == candidates[1]
+    assert autotune.stats["tuned"] == 1 and autotune.stats["hits"] >= 2
+
+    # the tuned tile computes the preset's math: the reference over the same key tile
+    ref = reference_attention(q, k, v, preset="int_flash", key_tile=candidates[1].block_n)
+    exact = exact_attention(q, k, v)
+    err_k = ((out.double() - exact).abs().sum() / exact.abs().sum()).item()
+    err_r = ((ref.double() - exact).abs().sum() / exact.abs().sum()).item()
+    assert err_k <= 1.05 * err_r + 1e-3
+
+
+def test_without_autotune_the_table_decides(monkeypatch):
+    monkeypatch.setattr(autotune, "time_call", lambda fn, device: pytest.fail("timed"))
+    q, k, v = _qkv()
+    call = prepare_attention(q, k, v, preset="sage2_8b")
+    assert call.cfg == attention_candidates("sage2_8b", 64, CPU, torch.float16, smooth_q=True)[0]
+    assert not autotune.cache_path().exists()
+
+
+def _key(preset="int_flash", options=None, lq=45, lkv=45, causal=False, mask=None):
+    opts = resolve_options(preset, options)
+    shape_q, shape_kv = (1, 2, lq, 64), (1, 2, lkv, 64)
+    return autotune.TuneKey.of(preset, opts, shape_q, shape_kv, shape_kv, torch.float16, mask, causal)
+
+
+def test_key_buckets_lengths_and_separates_what_matters():
+    assert _key(lq=45, lkv=45) == _key(lq=50, lkv=64)  # same power-of-two buckets
+    assert _key(options={"autotune": True}) == _key()  # the switch itself is not part of it
+    distinct = {
+        _key(), _key(lq=100), _key(lkv=100), _key(causal=True), _key("fmha_int8"),
+        _key(options={"p_scale": "row"}), _key(mask=torch.ones(1, dtype=torch.bool)),
+        _key(mask=torch.zeros(1)),
+    }
+    assert len(distinct) == 8
+    env = json.loads(_key().text(CPU))
+    assert {"gpu", "torch", "triton", "kernel"} <= set(env)
+
+
+def test_candidates_meet_the_constraints():
+    for per_block_v, smooth_q in [(False, False), (True, False), (False, True)]:
+        found = attention_candidates("int_flash", 64, CPU, per_block_v=per_block_v, smooth_q=smooth_q)
+        assert len(found) == len(set(found))
+        for cfg in found:
+            assert not per_block_v or 64 % cfg.block_n == 0
+            assert not smooth_q or 128 % cfg.block_m == 0
+
+
+def _tune(measure, candidates=(AttentionConfig(32, 32, 4, 1), AttentionConfig(64, 32, 4, 1))):
+    return autotune.tuned_config(_key(), CPU, list(candidates), lambda: None, measure)
+
+
+def test_candidate_that_does_not_fit_is_skipped_and_none_fitting_is_an_error():
+    def measure(cfg, inputs):
+        if cfg.block_m == 64:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return 1.0
+
+    assert _tune(measure) == AttentionConfig(32, 32, 4, 1)
+    autotune.clear_memory()
+    autotune.cache_path().unlink()
+
+    def nothing_fits(cfg, inputs):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    with pytest.raises(RuntimeError, match="no candidate tile fits"):
+        _tune(nothing_fits)
+
+
+def test_unreadable_cache_is_reported_and_replaced(caplog):
+    path = autotune.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.kernels.autotune"):
+        assert _tune(lambda cfg, inputs: float(cfg.block_m)) == AttentionConfig(32, 32, 4, 1)
+    assert "unreadable cache" in caplog.text
+    assert len(json.loads(path.read_text())["entries"]) == 1
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize(
+    "backend_options, expected",
+    [({"autotune": True}, True), ({}, False), ({"mode": "max-autotune"}, True),
+     ({"mode": "max-autotune", "autotune": False}, False)],
+)
+def test_backend_option_sets_every_site(backend_options, expected):
+    mode = backend_options.pop("mode", None)
+    be = QattnBackend(
+        {"qattn": 1, "default": "sage2_8b"}, mode=mode, compiler="eager", **backend_options
+    )
+    _compat.reset_dynamo()
+    q = torch.randn(1, 2, 16, 32)
+    torch.compile(_sdpa, backend=be)(q, q, q)
+    (report,) = be.site_reports
+    assert report.options["autotune"] is expected
+    _compat.reset_dynamo()
+
+
+def test_backend_autotune_option_must_be_a_bool():
+    with pytest.raises(qattn_compile.OptionsError, match="`autotune` must be true or false"):
+        qattn_compile.backend({"qattn": 1, "default": "flash"}, autotune="yes")
+
+
+def test_random_inputs_keep_the_memory_order_of_the_call():
+    x = torch.empty(2, 5, 3, 4).transpose(1, 2)  # [B, H, L, D] stored [B, L, H, D]
+    made = autotune.random_like_layout(x.shape, x.stride(), torch.float16, CPU)
+    assert made.shape == x.shape and made.stride() == x.stride() and made.dtype == torch.float16
