@@ -76,6 +76,8 @@ def variants(sweep: bool) -> list[tuple[str, dict]]:
             ("biased", {"codes": "biased"}),
             ("stages3", {"num_stages": 3}),
             ("stages4", {"num_stages": 4}),
+            ("warps2", {"num_warps": 2}),
+            ("warps4", {"num_warps": 4}),
             ("bpi4_warps8", {"blocks_per_iter": 4, "num_warps": 8}),
             ("splits_half", {"splits": "half"}),
             ("splits_double", {"splits": "double"}),

@@ -387,14 +387,16 @@ def test_decode_kernel_buffer_only_wide_and_empty_buffers(length, buffer_tokens)
 
 
 def test_default_splits_and_config_validation():
-    from qattn_compile.kernels.decode import MAX_SPLITS, DecodeConfig, default_splits
+    from qattn_compile.kernels.decode import MAX_SPLITS, DecodeConfig, default_splits, default_warps
 
     blocks_32k, blocks_128k = 32768 // KV_CACHE_BLOCK + 2, 131072 // KV_CACHE_BLOCK + 2
-    assert default_splits(8, 8, blocks_32k, 2) == 17  # 8 programs per SM: cdiv(8·132, 8·8)
-    assert default_splits(1, 8, blocks_128k, 2) == MAX_SPLITS
-    assert default_splits(1, 8, blocks_32k, 2) == 64  # 4 tiles of 2 blocks per split
-    assert default_splits(64, 8, blocks_32k, 2) == 3
-    assert default_splits(1, 1, 3, 2) == 1  # short caches: one split
+    assert default_splits(8, 8, blocks_32k, 2, 4) == 17  # 8 four-warp programs per SM: cdiv(8·132, 8·8)
+    assert default_splits(8, 8, blocks_32k, 2, 2) == 33  # 16 two-warp programs per SM
+    assert default_splits(1, 8, blocks_128k, 2, 2) == MAX_SPLITS
+    assert default_splits(1, 8, blocks_32k, 2, 2) == 64  # 4 tiles of 2 blocks per split
+    assert default_splits(64, 8, blocks_32k, 2, 2) == 5
+    assert default_splits(1, 1, 3, 2, 2) == 1  # short caches: one split
+    assert default_warps(mixed_formats=False) == 2 and default_warps(mixed_formats=True) == 4
     for bad in ({"blocks_per_iter": 8}, {"codes": "int8"}, {"splits": 0}, {"splits": MAX_SPLITS + 1}):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)

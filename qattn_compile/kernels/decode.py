@@ -54,9 +54,10 @@ channel-quarter dots) measured 0.322 ms at B=8 × 32K (INT4, H100, GQA 32/8) aga
 0.366, and INT2 was no faster than INT4: it was bound by ~1500 instructions per warp and
 64-token block (sm_90 SASS), not by the bytes. This design compiles to ~560 per warp and
 block at the default ``blocks_per_iter=2`` (Triton 3.6, sm_90). Measured (H100, torch 2.11,
-CUDA graphs) with the block metadata loaded one tile ahead (:func:`_compressed_part`): 0.253 ms
-at B=8 × 32K INT4 (1.44× SDPA's 0.364; 1.1 TB/s of the ~0.29 GB it must read), INT2 0.244
-(half the bytes, nearly the same time): still bound by instructions and latency, not by
+CUDA graphs) with the block metadata loaded one tile ahead (:func:`_compressed_part`) and
+two-warp programs (:func:`default_warps`): 0.244 ms at B=8 × 32K INT4 (1.49× SDPA's 0.364;
+1.2 TB/s of the ~0.29 GB it must read), INT2 0.229 (1.59×, half the bytes), the 2/4 mix
+0.250; B=1 × 128K INT4 0.127 (1.51×). Still bound by instructions and latency, not by
 memory (benchmarks/NOTES.md).
 """
 
@@ -76,9 +77,10 @@ from .primitives import interpreted
 
 _LOG2E = 1.4426950408889634
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
-PROGRAMS_PER_SM = 8
-""":func:`default_splits` aims at this many programs per SM: several waves of resident
-programs (2-3 per SM), so that the last, partly filled wave is a small part of the time."""
+WARPS_PER_SM = 32
+""":func:`default_splits` aims at programs of this many warps in all per SM (16 two-warp
+programs): several waves of resident programs, so that the last, partly filled wave is a small
+part of the time."""
 MIN_TILES_PER_SPLIT = 4
 """A split gets at least this many tiles of the capacity (each program first loads its
 queries and finally merges and stores its state: a few tiles' worth of latency)."""
@@ -105,18 +107,19 @@ class DecodeConfig:
       each (module docstring); lowered so that a program has at most :data:`MAX_ROWS` rows.
     - ``codes``: one of :data:`CODE_FORMATS`.
     - ``num_warps``, ``num_stages``: Triton's (stages > 1 prefetch the codes of later tiles
-      into shared memory).
+      into shared memory); ``num_warps=None`` picks :func:`default_warps`.
 
-    The defaults are the fastest variant of the H100 sweep (``benchmarks/decode.py --sweep``,
-    Triton 3.6) at B=8 × 32K: 2 blocks per iteration, 4 warps, 2 stages (168 registers, 3
-    programs per SM); 3 stages are within 1 %, 4 blocks per iteration 1.8× slower (shared
-    memory limits it to one program per SM), 1 block per iteration 1.3× slower.
+    The defaults are the fastest of the H100 sweeps (``benchmarks/decode.py --sweep``,
+    Triton 3.6): 2 blocks per iteration, 2 stages, the warps of :func:`default_warps`, and
+    the splits of :func:`default_splits` for them. 3 stages are within 1 %, 4 blocks per
+    iteration 1.8× slower (shared memory limits it to one program per SM), 1 block per
+    iteration 1.3× slower.
     """
 
     splits: int | None = None
     blocks_per_iter: int = 2
     codes: str = "subnormal"
-    num_warps: int = 4
+    num_warps: int | None = None
     num_stages: int = 2
 
     def __post_init__(self):
@@ -506,16 +509,18 @@ def _combine_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def default_splits(batch: int, kv_heads: int, n_blocks: int, blocks_per_iter: int, sms: int = _DEFAULT_SMS) -> int:
-    """Splits per (batch, kv head): enough programs for :data:`PROGRAMS_PER_SM` per SM, at most
-    :data:`MAX_SPLITS`, and at least :data:`MIN_TILES_PER_SPLIT` tiles of ``blocks_per_iter``
-    blocks of the capacity ``n_blocks`` per split.
+def default_splits(batch: int, kv_heads: int, n_blocks: int, blocks_per_iter: int, num_warps: int,
+                   sms: int = _DEFAULT_SMS) -> int:
+    """Splits per (batch, kv head): enough ``num_warps``-warp programs for
+    :data:`WARPS_PER_SM` warps per SM, at most :data:`MAX_SPLITS`, and at least
+    :data:`MIN_TILES_PER_SPLIT` tiles of ``blocks_per_iter`` blocks of the capacity
+    ``n_blocks`` per split.
 
     Depends only on the capacity (not on the stored length), so a captured CUDA graph stays
-    valid as the cache grows. GQA 32/8, 132 SMs, two blocks per iteration: 17 splits at
-    B=8 × 32K, 127 at B=1 × 128K, 64 at B=1 × 32K.
+    valid as the cache grows. GQA 32/8, 132 SMs, two blocks per iteration, two warps: 33
+    splits at B=8 × 32K, 127 at B=1 × 128K, 64 at B=1 × 32K.
     """
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * kv_heads)
+    wanted = triton.cdiv(WARPS_PER_SM // num_warps * sms, batch * kv_heads)
     tiles = triton.cdiv(n_blocks, blocks_per_iter)
     return max(1, min(wanted, MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
 
@@ -552,15 +557,24 @@ def _word_rows(codes: Tensor) -> bool:
     return codes.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in codes.stride()[:-1]) and codes.data_ptr() % 4 == 0
 
 
+def default_warps(mixed_formats: bool) -> int:
+    """Warps per program: 2 for a cache whose heads are all INT4 or all INT2, 4 for a 2/4 mix
+    (whose kernel holds both code paths). H100, B=8 × 32K: INT4 0.243 ms with 2 warps (and
+    twice the splits) vs 0.254 with 4, INT2 0.230 vs 0.247, the mix 0.279 vs 0.252; at B=1 ×
+    128K INT4 0.128 vs 0.143."""
+    return 4 if mixed_formats else 2
+
+
 def resolve(config: DecodeConfig, q: Tensor, t) -> DecodeConfig:
     """``config`` as the launch for ``q`` ``[B, Hq, Lq, D]`` over the storage ``t`` uses it:
-    ``blocks_per_iter`` lowered to :data:`MAX_ROWS` rows, ``splits`` from :func:`default_splits`
-    when None."""
+    ``blocks_per_iter`` lowered to :data:`MAX_ROWS` rows, ``num_warps`` from
+    :func:`default_warps` and ``splits`` from :func:`default_splits` when None."""
     b, hq, lq, _ = q.shape
     _, _, h, n_blocks, _ = t.step.shape
     bpi = min(config.blocks_per_iter, max(1, MAX_ROWS // triton.next_power_of_2(hq // h * lq)))
-    splits = config.splits or default_splits(b, h, n_blocks, bpi, _sm_count(q.device))
-    return dataclasses.replace(config, blocks_per_iter=bpi, splits=splits)
+    warps = config.num_warps or default_warps(t.heads4.numel() > 0 and t.heads2.numel() > 0)
+    splits = config.splits or default_splits(b, h, n_blocks, bpi, warps, _sm_count(q.device))
+    return dataclasses.replace(config, blocks_per_iter=bpi, num_warps=warps, splits=splits)
 
 
 def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: float | None = None,
