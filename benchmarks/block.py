@@ -111,8 +111,9 @@ def main() -> None:
                 be = qattn_compile.backend({"qattn": 1, "default": preset}, autotune=bool(tuned))
                 fn = torch.compile(block, backend=be)
             row = {"shape": shape, "mode": mode}
+            backend = sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if cudnn else contextlib.nullcontext()
             try:
-                with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if cudnn else contextlib.nullcontext():
+                with torch.no_grad(), backend:
                     call = lambda: fn(hidden, cos_sin, None)[0]  # noqa: E731
                     out = call()
                     row["ms"] = graph_ms(call)

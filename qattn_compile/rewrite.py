@@ -221,7 +221,8 @@ def rewrite_attention(
     for site in find_attention_sites(gm):
         decision = policy.decide(site.fqn, site.module_class)
         if autotune is not None and isinstance(decision.options, KernelOptions):
-            decision = dataclasses.replace(decision, options=decision.options.model_copy(update={"autotune": autotune}))
+            options = decision.options.model_copy(update={"autotune": autotune})
+            decision = dataclasses.replace(decision, options=options)
         report = _decide(site, decision, policy, graph_index)
         reports.append(report)
         if report.status == REWRITTEN:

@@ -23,6 +23,7 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 import qattn_compile  # noqa: E402
 from qattn_compile import _compat  # noqa: E402
+from qattn_compile.debug.table import kernel_variant  # noqa: E402
 from qattn_compile.dynamo_backend import QattnBackend  # noqa: E402
 from qattn_compile.kernels import autotune, kernel_attention, prepare_attention  # noqa: E402
 from qattn_compile.kernels.heuristics import AttentionConfig, attention_candidates  # noqa: E402
@@ -183,6 +184,7 @@ def test_backend_option_sets_every_site(backend_options, expected):
     torch.compile(_sdpa, backend=be)(q, q, q)
     (report,) = be.site_reports
     assert report.options["autotune"] is expected
+    assert kernel_variant(report).endswith("tiles=autotuned") is expected
     _compat.reset_dynamo()
 
 

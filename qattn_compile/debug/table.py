@@ -42,7 +42,8 @@ QUANT_FORMATS = {
 
 
 def kernel_variant(report: SiteReport) -> str:
-    """What serves a rewritten site, e.g. ``triton int_flash qk=int8/token p=int8/tile v=int8/tensor``.
+    """What serves a rewritten site, e.g. ``triton int_flash qk=int8/token p=int8/tile v=int8/tensor``
+    (`` tiles=autotuned`` appended when the site's tiles are timed, option ``autotune``).
 
     ``-`` for a site that was not rewritten.
     """
@@ -50,7 +51,8 @@ def kernel_variant(report: SiteReport) -> str:
         return "-"
     where = EXECUTION_LABELS.get(report.execution, report.execution or "?")
     formats = QUANT_FORMATS.get(report.preset, lambda o: "")(report.options)
-    return f"{where} {report.preset} {formats}".rstrip()
+    tiles = " tiles=autotuned" if report.options.get("autotune") else ""
+    return f"{where} {report.preset} {formats}{tiles}".rstrip()
 
 
 def format_shapes(shapes: dict) -> str:

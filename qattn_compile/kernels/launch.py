@@ -448,8 +448,9 @@ def prepare_attention(
 def _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale,
                candidates: list[AttentionConfig]) -> AttentionConfig | None:
     """The fastest of ``candidates`` for this call (:func:`.autotune.tuned_config`), timed on
-    random inputs of the call's shapes and memory layouts (an all-visible mask of the same shape and kind for a
-    masked call); None (the table decides) when a size has no hint to tune at."""
+    random inputs of the call's shapes and memory layouts (an all-visible mask of the same
+    shape and kind for a masked call); None (the table decides) when a size has no hint to
+    tune at."""
     shapes = [tuple(_compat.size_hint(s) for s in t.shape) for t in (q, k, v)]
     strides = [tuple(_compat.size_hint(s) for s in t.stride()) for t in (q, k, v)]
     mask_shape = () if attn_mask is None else tuple(_compat.size_hint(s) for s in attn_mask.shape)
