@@ -165,6 +165,16 @@ def test_unreadable_cache_is_reported_and_replaced(caplog):
     assert len(json.loads(path.read_text())["entries"]) == 1
 
 
+def test_unwritable_cache_dir_is_reported_and_the_result_still_used(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv(autotune.CACHE_DIR_ENV, str(blocker))
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.kernels.autotune"):
+        assert _tune(lambda cfg, inputs: float(cfg.block_m)) == AttentionConfig(32, 32, 4, 1)
+    assert "cannot write" in caplog.text and autotune.CACHE_DIR_ENV in caplog.text
+    assert _tune(lambda cfg, inputs: pytest.fail("re-tuned")) == AttentionConfig(32, 32, 4, 1)
+
+
 def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 

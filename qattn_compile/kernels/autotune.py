@@ -204,7 +204,8 @@ def tuned_config(
     """The fastest of ``candidates`` for ``key`` on ``device``, from the cache or timed.
 
     On a miss: ``inputs = make_inputs()`` then ``measure(cfg, inputs)`` (milliseconds) per
-    candidate, all outside tracing; the winner is stored in memory and on disk. Raises
+    candidate, all outside tracing; the winner is stored in memory and on disk (a cache file
+    that cannot be written is reported, and the result still serves this process). Raises
     ``RuntimeError`` when no candidate fits the GPU.
     """
     name, path = key.text(device), cache_path()
@@ -229,11 +230,16 @@ def tuned_config(
                 key.preset, key.dtype, key.head_dim, key.len_q, key.len_kv, key.causal, best,
                 timings[best], candidates[0], timings.get(candidates[0], float("nan")))
     _memory[name] = best
-    _write(path, name, {
+    entry = {
         "config": dataclasses.asdict(best),
         "timings_ms": {json.dumps(dataclasses.asdict(c)): ms for c, ms in timings.items()},
         "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    })
+    }
+    try:
+        _write(path, name, entry)
+    except OSError as exc:  # e.g. a read-only home: the result still serves this process
+        logger.warning("qattn autotune: cannot write %s (%s); set %s to a writable directory",
+                       path, exc, CACHE_DIR_ENV)
     return best
 
 
