@@ -17,9 +17,10 @@ calls SDPA with ``is_causal``). Modes:
   Inductor ops fused with RoPE, the attention kernel inlined); ``--autotune`` adds the
   same with the ``autotune`` option.
 
-Each mode is timed as the median of ``triton.testing.do_bench`` over a CUDA-graph replay of
-one call (so launch overhead, which differs between eager and compiled code, is out of the
-comparison) and reported with its cosine to ``eager-cudnn``; ``--profile`` adds the GPU time
+Each mode is timed as the autotuner times a kernel (:func:`qattn_compile.kernels.autotune.
+time_call`: the median of ``triton.testing.do_bench`` over replays of a CUDA graph of one call,
+L2 cleared before each), so launch overhead, which differs between eager and compiled code,
+is out of the comparison, and reported with its cosine to ``eager-cudnn``; ``--profile`` adds the GPU time
 per kernel of one call.
 """
 
@@ -33,13 +34,13 @@ import time
 
 import torch
 import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 import qattn_compile
 from qattn_compile import _compat
+from qattn_compile.kernels import autotune
 from qattn_compile.metrics import compare
 
 log = logging.getLogger("benchmarks.block")
@@ -53,17 +54,6 @@ def build_block(shape: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     block = LlamaAttention(cfg, layer_idx=0).to("cuda", torch.bfloat16).eval()
     return block, LlamaRotaryEmbedding(cfg).to("cuda")
-
-
-def graph_ms(fn) -> float:
-    """Median ms of a CUDA-graph replay of ``fn`` (captured after two warm-up calls)."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
 
 
 def profile_table(fn) -> str:
@@ -116,7 +106,7 @@ def main() -> None:
                 with torch.no_grad(), backend:
                     call = lambda: fn(hidden, cos_sin, None)[0]  # noqa: E731
                     out = call()
-                    row["ms"] = graph_ms(call)
+                    row["ms"] = autotune.time_call(call, hidden.device)
                     if args.profile:
                         row["profile"] = profile_table(call)
                         log.info("profile %s %s\n%s", shape, mode, row["profile"])

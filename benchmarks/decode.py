@@ -43,6 +43,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qattn_compile.blocks import KV_CACHE_BLOCK
+from qattn_compile.kernels import autotune
 from qattn_compile.kernels.decode import MAX_SPLITS, DecodeConfig, flashq_decode_triton, resolve
 from qattn_compile.kvcache import FlashQCache, FlashQLayer, flashq, kv_bytes_report
 from qattn_compile.metrics import compare
@@ -103,13 +104,8 @@ def _bench(fn) -> float:
 
 
 def _bench_graph(fn) -> float:
-    """Median ms of a CUDA-graph replay of ``fn`` (captured after a warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _bench(graph.replay)
+    """Median ms of CUDA-graph replays of ``fn`` (:func:`~qattn_compile.kernels.autotune.time_call`)."""
+    return autotune.time_call(fn, torch.device(DEVICE))
 
 
 def _storage_bytes_read(t: flashq.FlashQTensors, length: int) -> int:

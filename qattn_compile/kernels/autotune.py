@@ -28,6 +28,7 @@ are keyed by their power-of-two bucket. :data:`stats` counts tunings and cache h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -99,11 +100,14 @@ class TuneKey:
 
     def text(self, device: torch.device) -> str:
         """The cache entry's name: this key plus the environment of ``device``."""
-        return json.dumps({**dataclasses.asdict(self), **_environment(device)}, sort_keys=True)
+        return json.dumps({**dataclasses.asdict(self), **_environment(torch.device(device))},
+                          sort_keys=True)
 
 
+@functools.lru_cache(maxsize=16)
 def _environment(device: torch.device) -> dict:
-    """What else a timing depends on: the GPU, the library versions, the kernel source."""
+    """What else a timing depends on: the GPU, the library versions, the kernel source
+    (computed once per device: every eager call with ``autotune`` looks its key up)."""
     source = hashlib.sha256()
     for name in _KERNEL_SOURCES:
         source.update((Path(__file__).parent / name).read_bytes())
