@@ -72,14 +72,13 @@ def variants(sweep: bool) -> list[tuple[str, dict]]:
     out = [("default", {})]
     if sweep:
         out += [
-            ("bpi1", {"blocks_per_iter": 1}),
+            ("bpi2", {"blocks_per_iter": 2}),
+            ("bpi2_warps2", {"blocks_per_iter": 2, "num_warps": 2}),
             ("bpi4", {"blocks_per_iter": 4}),
             ("biased", {"codes": "biased"}),
             ("stages3", {"num_stages": 3}),
-            ("stages4", {"num_stages": 4}),
             ("warps2", {"num_warps": 2}),
             ("warps4", {"num_warps": 4}),
-            ("bpi4_warps8", {"blocks_per_iter": 4, "num_warps": 8}),
             ("splits_half", {"splits": "half"}),
             ("splits_double", {"splits": "double"}),
         ]
@@ -326,20 +325,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--sweep", action="store_true", help="time every variant, not only the default")
+    parser.add_argument("--variants", type=json.loads, default=None,
+                        help='JSON object {name: DecodeConfig fields} to time instead of the built-in list')
+    parser.add_argument("--budget", type=float, default=TIME_BUDGET_S,
+                        help="seconds after which the remaining variants are skipped")
     parser.add_argument("--agreement", action="store_true", help="add the copy-model greedy agreement")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import transformers
 
     start = time.monotonic()
-    names = variants(args.sweep)
+    names = list(args.variants.items()) if args.variants else variants(args.sweep)
     report = {"device": torch.cuda.get_device_name(), "versions": {
         "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version()}, "variants": dict(names), "shapes": []}
     report["check"] = check_variants(names)
     log.info("checked %d variants in %.0f s", len(names), time.monotonic() - start)
     for batch, context in SHAPES:
-        report["shapes"].append(run_shape(batch, context, names, start + TIME_BUDGET_S))
+        report["shapes"].append(run_shape(batch, context, names, start + args.budget))
         Path(args.out).write_text(json.dumps(report, indent=1))
     report["kv_bytes_llama3_8b"] = kv_bytes_llama8b()
     if args.agreement:

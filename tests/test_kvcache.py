@@ -329,6 +329,7 @@ def _kernel_error(layer, q, attn_mask=None, scale=0.2, **config):
         (1, 2, 1, 32, 200, 0, 2, 1, "additive"),  # all INT2, additive mask
         (1, 2, 4, 20, 140, 1, 1, 1, None),  # packed rows not whole int32 words: byte loads
         (1, 2, 2, 32, 130, 2, 1, 3, "bool"),  # 6 query rows per kv head, padded to 8
+        (1, 2, 4, 128, 140, 1, 1, 1, None),  # D=128: the word-to-lane layouts of the benchmarks
     ],
 )
 def test_decode_kernel_matches_reference_in_interpreter(b, h, group, d, length, steps, int2_heads, lq, mask):
@@ -387,7 +388,9 @@ def test_decode_kernel_buffer_only_wide_and_empty_buffers(length, buffer_tokens)
 
 
 def test_default_splits_and_config_validation():
-    from qattn_compile.kernels.decode import MAX_SPLITS, DecodeConfig, default_splits, default_warps
+    from qattn_compile.kernels.decode import (
+        MAX_SPLITS, DecodeConfig, default_blocks_per_iter, default_splits, default_warps,
+    )
 
     blocks_32k, blocks_128k = 32768 // KV_CACHE_BLOCK + 2, 131072 // KV_CACHE_BLOCK + 2
     assert default_splits(8, 8, blocks_32k, 2, 4) == 17  # 8 four-warp programs per SM: cdiv(8·132, 8·8)
@@ -396,7 +399,10 @@ def test_default_splits_and_config_validation():
     assert default_splits(1, 8, blocks_32k, 2, 2) == 64  # 4 tiles of 2 blocks per split
     assert default_splits(64, 8, blocks_32k, 2, 2) == 5
     assert default_splits(1, 1, 3, 2, 2) == 1  # short caches: one split
-    assert default_warps(mixed_formats=False) == 2 and default_warps(mixed_formats=True) == 4
+    assert default_splits(8, 8, blocks_32k, 1, 1) == 66  # the defaults for GQA 32/8: 32 one-warp programs per SM
+    assert [default_warps(rows, mixed_formats=False) for rows in (4, 16, 32, 64)] == [1, 1, 2, 4]
+    assert [default_warps(rows, mixed_formats=True) for rows in (8, 128)] == [4, 8]  # two code paths: 4 warps
+    assert default_blocks_per_iter(mixed_formats=False) == 1 and default_blocks_per_iter(mixed_formats=True) == 2
     for bad in ({"blocks_per_iter": 8}, {"codes": "int8"}, {"splits": 0}, {"splits": MAX_SPLITS + 1}):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)

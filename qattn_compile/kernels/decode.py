@@ -13,14 +13,16 @@ count depends only on the capacity (:func:`default_splits`). Each program merges
 groups and writes one partial ``(m, l, acc)``; :func:`_combine_kernel` loads the
 ``splits + 1`` partials of a (batch, kv head) at once and merges them.
 
-Tiles of several blocks, one row group per block. A tensor-core dot needs 16 rows and a query
-group has few (``GL = 4`` for GQA 32/8 at ``Lq = 1``), so a loop iteration takes ``BPI``
-(:attr:`DecodeConfig.blocks_per_iter`) consecutive 64-token blocks as one ``BPI·64``-token
-tile and gives block ``j`` of the tile its own row group, rows ``j·GLP + r`` (``GLP`` = ``GL``
-rounded up to a power of two), each row with its own online-softmax state over the tokens of
-its block slot (the other slots' scores are masked). One iteration thus issues the loads of
-``BPI`` blocks at once (``num_stages`` > 1 also prefetches the codes of the next tiles into
-shared memory), and rows the dot would pad anyway carry the other blocks.
+Tiles of one or several blocks, one row group per block. A tensor-core dot needs 16 rows
+and a query group has few (``GL = 4`` for GQA 32/8 at ``Lq = 1``), so a loop iteration can
+take ``BPI`` (:attr:`DecodeConfig.blocks_per_iter`) consecutive 64-token blocks as one
+``BPI·64``-token tile and give block ``j`` of the tile its own row group, rows ``j·GLP + r``
+(``GLP`` = ``GL`` rounded up to a power of two), each row with its own online-softmax state
+over the tokens of its block slot (the other slots' scores are masked). Single-format caches
+run one block per iteration in one-warp programs (:func:`default_blocks_per_iter`,
+:func:`default_warps`): the softmax stays in one warp's registers, and many small programs
+per SM hide each other's latency. ``num_stages`` > 1 prefetches the codes of the next tiles
+into shared memory.
 
 Dequantization folded into the scores and the output (per block and channel ``c``:
 ``x = s8·(code·step_c + lo_c)``, the storage arithmetic of :mod:`~qattn_compile.kvcache.flashq`):
@@ -41,24 +43,29 @@ the packed row is read as int32 words, and ``(w >> shift) & 0x000F000F`` (INT4;
 then read as fp16. ``codes="subnormal"`` reads those bits as the fp16 subnormal ``code·2⁻²⁴``
 (exact; ``2²⁴`` is folded into ``s8``). ``codes="biased"`` ors in the exponent of 1024 and
 subtracts ``1024 + 2^(bits-1)`` in fp16 (exact, centered codes; one more fp16 op per two
-codes), for a GPU whose tensor cores would flush subnormal inputs. The word layout fixes the
-order of the channels along the dot's reduction axis (:func:`_column_channels`): ``q``,
-``step`` and ``lo`` are gathered in that order, the partial output is scattered back to
-channel order. Rows that are not whole int32 words (head dims not a multiple of 8 for INT4,
-16 for INT2) are assembled from byte loads.
+codes), for a GPU whose tensor cores would flush subnormal inputs. Rows that are not whole
+int32 words (head dims not a multiple of 8 for INT4, 16 for INT2) are assembled from byte
+loads.
+
+Code tiles built in the dots' operand layout. The order of the channels along a dot's axis is
+free (``q``, ``step`` and ``lo`` are gathered in the same order, the partial output is
+scattered back to channel order), so each tile orders them such that the register layout the
+unpacking produces *is* the mma operand layout: Triton then reads the packed words from shared
+memory straight into it, with no fp16 round trip through shared memory (:func:`_key_tile`
+for Q·Kᵀ, whose reduction axis is the channels; :func:`_value_tile` for P·V, whose reduction
+axis is the tokens, so a thread reads one word of four consecutive tokens). Before (unpacked
+tiles stored to and reloaded from shared memory): 51 KB of shared memory and 255 registers
+per 2-warp program, 4 programs per SM.
 
 Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metadata for K and
-as much for V (136), INT2 72, against 512 for a bf16 cache. The previous design (one 64-token
-block per iteration, codes dequantized element by element with int→float conversions, four
-channel-quarter dots) measured 0.322 ms at B=8 × 32K (INT4, H100, GQA 32/8) against SDPA's
-0.366, and INT2 was no faster than INT4: it was bound by ~1500 instructions per warp and
-64-token block (sm_90 SASS), not by the bytes. This design compiles to ~560 per warp and
-block at the default ``blocks_per_iter=2`` (Triton 3.6, sm_90). Measured (H100, torch 2.11,
-CUDA graphs) with the block metadata loaded one tile ahead (:func:`_compressed_part`) and
-two-warp programs (:func:`default_warps`): 0.244 ms at B=8 × 32K INT4 (1.49× SDPA's 0.364;
-1.2 TB/s of the ~0.29 GB it must read), INT2 0.229 (1.59×, half the bytes), the 2/4 mix
-0.250; B=1 × 128K INT4 0.127 (1.51×). Still bound by instructions and latency, not by
-memory (benchmarks/NOTES.md).
+as much for V (136), INT2 72, against 512 for a bf16 cache. Measured (H100, torch 2.11,
+Triton 3.6, CUDA graphs, GQA 32/8) against SDPA cuDNN on a bf16 cache (0.364 ms at B=8 × 32K,
+0.193 at B=1 × 128K): INT4 0.191 ms (1.90×; 1.5 TB/s of the 0.29 GB it reads) and 0.095
+(2.02×), INT2 0.156 (2.34×) and 0.079 (2.43×), the 2/4 mix 0.200 (1.84×) and 0.115 (1.69×; 4-warp
+programs, measured in a run before the INT2 key tile got its operand layout).
+The kernel reads the bytes at half of HBM's rate: it is still bound by instructions and
+latency (~1000 per warp and 64-token block, sm_90 SASS), not by memory
+(benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ from .primitives import interpreted
 _LOG2E = 1.4426950408889634
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
 WARPS_PER_SM = 32
-""":func:`default_splits` aims at programs of this many warps in all per SM (16 two-warp
+""":func:`default_splits` aims at programs of this many warps in all per SM (32 one-warp
 programs): several waves of resident programs, so that the last, partly filled wave is a small
 part of the time."""
 MIN_TILES_PER_SPLIT = 4
@@ -110,20 +117,22 @@ class DecodeConfig:
       into shared memory); ``num_warps=None`` picks :func:`default_warps`.
 
     The defaults are the fastest of the H100 sweeps (``benchmarks/decode.py --sweep``,
-    Triton 3.6): 2 blocks per iteration, 2 stages, the warps of :func:`default_warps`, and
-    the splits of :func:`default_splits` for them. 3 stages are within 1 %, 4 blocks per
-    iteration 1.8× slower (shared memory limits it to one program per SM), 1 block per
-    iteration 1.3× slower.
+    Triton 3.6, with the code tiles built in the dots' operand layout): 1 block per
+    iteration, 2 stages, the warps of :func:`default_warps` (one warp for GQA 32/8 at
+    ``Lq = 1``), and the splits of :func:`default_splits` for them. At B=8 × 32K, INT2 1
+    warp × 1 block 0.151 ms against 2 warps × 2 blocks 0.181; INT4 0.183 against 0.194; 3
+    stages 1.2–1.5× slower, capping the registers (``maxnreg`` 168 or 128, for more programs
+    per SM) 1.1–1.3× slower.
     """
 
     splits: int | None = None
-    blocks_per_iter: int = 2
+    blocks_per_iter: int | None = None
     codes: str = "subnormal"
     num_warps: int | None = None
     num_stages: int = 2
 
     def __post_init__(self):
-        if self.blocks_per_iter not in (1, 2, 4):
+        if self.blocks_per_iter not in (None, 1, 2, 4):
             raise ValueError(f"blocks_per_iter must be 1, 2 or 4, got {self.blocks_per_iter}")
         if self.codes not in CODE_FORMATS:
             raise ValueError(f"codes must be one of {CODE_FORMATS}, got {self.codes!r}")
@@ -135,17 +144,14 @@ class DecodeConfig:
 
 
 @triton.jit
-def _column_channels(BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Channel of each column ``[WP·32/BITS]`` of an unpacked code tile (:func:`_load_codes`)
-    and whether it is a real channel (columns past the row's bytes are padding).
-
-    Column ``col`` = ``(32/BITS)·j + i``: word ``j`` of the token's packed row, bit position
-    ``(i // 2)·BITS + 16·(i % 2)`` in that word, i.e. byte ``4j + pos // 8`` and bit field
-    ``(pos % 8) / BITS`` of the split layout (byte ``n`` holds channel ``n + field·D·BITS/8``).
-    """
+def _channel_of(col, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Channel of code ``col`` (``(32/BITS)·j + i``: code ``i`` of word ``j`` of a token's packed
+    row, in :func:`_load_codes` order) and whether it is a real channel (codes past the row's
+    bytes are padding). Code ``i`` sits at bit ``(i // 2)·BITS + 16·(i % 2)`` of its word, i.e.
+    byte ``4j + pos // 8`` and bit field ``(pos % 8) / BITS`` of the split layout (byte ``n``
+    holds channel ``n + field·D·BITS/8``)."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROW_BYTES: tl.constexpr = HEAD_DIM * BITS // 8
-    col = tl.arange(0, WP * PER_WORD)
     i = col % PER_WORD
     pos = (i // 2) * BITS + 16 * (i % 2)
     byte = 4 * (col // PER_WORD) + pos // 8
@@ -154,10 +160,33 @@ def _column_channels(BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _value_channels(BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Channel of each column ``[WP·32/BITS]`` of a value code tile (:func:`_value_tile`) and
+    whether it is a real channel."""
+    col = tl.arange(0, WP * (32 // BITS))
+    return _channel_of((col % WP) * (32 // BITS) + col // WP, BITS, HEAD_DIM)
+
+
+@triton.jit
+def _key_channels(BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Channel of each row ``[WP·32/BITS]`` of a key code tile (:func:`_key_tile`) and whether
+    it is a real channel."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    R: tl.constexpr = WP // 4 if WP >= 4 else 1
+    Q: tl.constexpr = WP // R
+    k = tl.arange(0, WP * PER_WORD)
+    low = k % 4
+    q = (k // 4) % Q
+    high = (k // (4 * Q)) % (PER_WORD // 4)
+    r = k // (4 * Q * (PER_WORD // 4))
+    return _channel_of((q * R + r) * PER_WORD + high * 4 + low, BITS, HEAD_DIM)
+
+
+@triton.jit
 def _load_codes(ptr, rows, stride_t, BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr,
                 WORDS: tl.constexpr, BIASED: tl.constexpr):
-    """Codes of token rows ``rows`` ``[N]`` as an fp16 tile ``[N, WP·32/BITS]`` in the column
-    order of :func:`_column_channels`: ``code·2⁻²⁴`` (subnormal) or, ``BIASED``,
+    """Codes of token rows ``rows`` ``[N]`` as fp16 ``[N, WP, 32/BITS]`` (code ``i`` of word
+    ``j``, see :func:`_channel_of`): ``code·2⁻²⁴`` (subnormal) or, ``BIASED``,
     ``code - 2^(BITS-1)``. Padding columns hold code 0.
 
     ``ptr`` points at packed rows of ``HEAD_DIM·BITS/8`` bytes, ``stride_t`` bytes apart.
@@ -191,10 +220,40 @@ def _load_codes(ptr, rows, stride_t, BITS: tl.constexpr, WP: tl.constexpr, HEAD_
     if BIASED:
         p = p | 0x64006400  # fp16 1024 + code in each half
     half = tl.join(p, p >> 16).to(tl.int16)
-    codes = tl.reshape(half, [rows.shape[0], WP * 32 // BITS]).to(tl.float16, bitcast=True)
+    codes = tl.reshape(half, [rows.shape[0], WP, 32 // BITS]).to(tl.float16, bitcast=True)
     if BIASED:
         codes = codes - (1024.0 + (1 << (BITS - 1)))  # code - 8 (INT4) / code - 2 (INT2)
     return codes
+
+
+@triton.jit
+def _value_tile(codes):
+    """Codes ``[N, WP, 32/BITS]`` (:func:`_load_codes`) as the token-major tile
+    ``[N, WP·32/BITS]`` of a P·V dot, columns at :func:`_value_channels`: column
+    ``i·WP + j`` is code ``i`` of word ``j``, so that a thread's codes of one word are the
+    columns its dot operand registers hold (the dot's lanes and warps split the words)."""
+    columns = tl.permute(codes, (0, 2, 1))
+    return tl.reshape(columns, [codes.shape[0], codes.shape[1] * codes.shape[2]])
+
+
+@triton.jit
+def _key_tile(codes):
+    """Codes ``[N, WP, 32/BITS]`` (:func:`_load_codes`) as the channel-major tile
+    ``[WP·32/BITS, N]`` of a Q·Kᵀ dot, rows at :func:`_key_channels`.
+
+    The rows are ordered so that the tile's register layout is the dot operand's: a thread
+    reads ``R = WP/4`` consecutive words of a token (the ``Q = 4`` threads that share a token
+    split its row), and the mma operand (kWidth 4) wants those ``Q`` threads on bits 2–3 of
+    the reduction index and a thread's own codes on bits 0–1 and 4+. Row ``k`` is therefore
+    code ``4·high + low`` of word ``q·R + r`` with ``k = ((r·(PER_WORD/4) + high)·Q + q)·4 +
+    low``; no shared-memory round trip.
+    """
+    N: tl.constexpr = codes.shape[0]
+    WP: tl.constexpr = codes.shape[1]
+    PER_WORD: tl.constexpr = codes.shape[2]
+    R: tl.constexpr = WP // 4 if WP >= 4 else 1
+    x = tl.reshape(codes, [N, WP // R, R, PER_WORD // 4, 4])
+    return tl.reshape(tl.permute(x, (2, 3, 1, 4, 0)), [WP * PER_WORD, N])
 
 
 @triton.jit
@@ -299,8 +358,9 @@ def _compressed_part(
     TILE: tl.constexpr = BPI * BLOCK_N
     UNIT: tl.constexpr = 1.0 if BIASED else 16777216.0  # 2**24: subnormal codes are code·2**-24
     CENTER: tl.constexpr = (1 << (BITS - 1)) if BIASED else 0  # biased codes are code - CENTER
-    ch, ch_ok = _column_channels(BITS, WP, HEAD_DIM)
-    q, row_ok, hq, qi, slot = _query_rows(q_ptr, sq_b, sq_h, sq_l, b, h, qk_scale, ch, ch_ok, G, LQ, GLP, BPI)
+    kch, kch_ok = _key_channels(BITS, WP, HEAD_DIM)
+    ch, ch_ok = _value_channels(BITS, WP, HEAD_DIM)
+    q, row_ok, hq, qi, slot = _query_rows(q_ptr, sq_b, sq_h, sq_l, b, h, qk_scale, kch, kch_ok, G, LQ, GLP, BPI)
     mask_row_ptr = mask_ptr + b * sm_b + hq * sm_h + qi * sm_q
     qpos = length - LQ + qi
 
@@ -313,8 +373,8 @@ def _compressed_part(
     acc = tl.zeros([BLOCK_M, WP * 32 // BITS], tl.float32)
     toks = tl.arange(0, TILE)
     own = (toks // BLOCK_N)[None, :] == slot[:, None]  # row group j reads block slot j
-    nk_step = _load_meta(step_ptr, first, n_blocks, m_blk, ch, ch_ok, BPI)
-    nk_lo = _load_meta(lo_ptr, first, n_blocks, m_blk, ch, ch_ok, BPI)
+    nk_step = _load_meta(step_ptr, first, n_blocks, m_blk, kch, kch_ok, BPI)
+    nk_lo = _load_meta(lo_ptr, first, n_blocks, m_blk, kch, kch_ok, BPI)
     nv_step = _load_meta(step_ptr + m_kv, first, n_blocks, m_blk, ch, ch_ok, BPI)
     nv_lo = _load_meta(lo_ptr + m_kv, first, n_blocks, m_blk, ch, ch_ok, BPI)
     for tile in range(first, last):
@@ -325,9 +385,9 @@ def _compressed_part(
         k_lo = _row_groups(nk_lo, GLP)
         k_s8 = tl.load(s8_ptr + blk_in)
         bias = tl.sum(q * (k_lo + CENTER * k_step), 1)
-        kc = _load_codes(codes_ptr, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED)
+        kc = _key_tile(_load_codes(codes_ptr, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED))
         # q·step as fp16 hi + lo rows: one dot, ~22-bit q (the rows pad the dot's 16 anyway)
-        s = tl.sum(tl.reshape(tl.dot(_split_fp16(q * k_step), tl.trans(kc)), [2, BLOCK_M, TILE]), 0)
+        s = tl.sum(tl.reshape(tl.dot(_split_fp16(q * k_step), kc), [2, BLOCK_M, TILE]), 0)
         s = s * (k_s8 * UNIT)[:, None] + (bias * k_s8)[:, None]
         s = tl.where(own & (blk < n_blocks)[:, None], s, float("-inf"))
         s = _visible(s, tile * TILE + toks, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
@@ -335,14 +395,14 @@ def _compressed_part(
         v_step = _row_groups(nv_step, GLP)
         v_lo = _row_groups(nv_lo, GLP)
         v_s8 = tl.load(s8_ptr + s8_kv + blk_in)
-        vc = _load_codes(codes_ptr + c_kv, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED)
+        vc = _value_tile(_load_codes(codes_ptr + c_kv, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED))
         p16 = p.to(tl.float16)
         p_sum = tl.sum(p16.to(tl.float32), 1)  # the P the dot sees, so that lo·ΣP matches it
         pv = tl.dot(p16, vc)
         acc = acc * alpha[:, None] + pv * ((v_s8 * UNIT)[:, None] * v_step)
         acc += (p_sum * v_s8)[:, None] * (v_lo + CENTER * v_step)
-        nk_step = _load_meta(step_ptr, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
-        nk_lo = _load_meta(lo_ptr, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
+        nk_step = _load_meta(step_ptr, tile + 1, n_blocks, m_blk, kch, kch_ok, BPI)
+        nk_lo = _load_meta(lo_ptr, tile + 1, n_blocks, m_blk, kch, kch_ok, BPI)
         nv_step = _load_meta(step_ptr + m_kv, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
         nv_lo = _load_meta(lo_ptr + m_kv, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
     return m_i, l_i, acc, ch, ch_ok
@@ -517,8 +577,8 @@ def default_splits(batch: int, kv_heads: int, n_blocks: int, blocks_per_iter: in
     ``n_blocks`` per split.
 
     Depends only on the capacity (not on the stored length), so a captured CUDA graph stays
-    valid as the cache grows. GQA 32/8, 132 SMs, two blocks per iteration, two warps: 33
-    splits at B=8 × 32K, 127 at B=1 × 128K, 64 at B=1 × 32K.
+    valid as the cache grows. GQA 32/8, 132 SMs, the single-format defaults (one block per
+    iteration, one warp): 66 splits at B=8 × 32K, 127 at B=1 × 128K and at B=1 × 32K.
     """
     wanted = triton.cdiv(WARPS_PER_SM // num_warps * sms, batch * kv_heads)
     tiles = triton.cdiv(n_blocks, blocks_per_iter)
@@ -557,22 +617,35 @@ def _word_rows(codes: Tensor) -> bool:
     return codes.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in codes.stride()[:-1]) and codes.data_ptr() % 4 == 0
 
 
-def default_warps(mixed_formats: bool) -> int:
-    """Warps per program: 2 for a cache whose heads are all INT4 or all INT2, 4 for a 2/4 mix
-    (whose kernel holds both code paths). H100, B=8 × 32K: INT4 0.243 ms with 2 warps (and
-    twice the splits) vs 0.254 with 4, INT2 0.230 vs 0.247, the mix 0.279 vs 0.252; at B=1 ×
-    128K INT4 0.128 vs 0.143."""
-    return 4 if mixed_formats else 2
+def default_blocks_per_iter(mixed_formats: bool) -> int:
+    """Blocks per loop iteration: 1 for a cache whose heads are all INT4 or all INT2, 2 for a
+    2/4 mix (whose kernel holds both code paths and runs 4-warp programs, :func:`default_warps`).
+    H100, B=8 × 32K, GQA 32/8, one run: INT2 0.152 ms with 1 block × 1 warp, 0.178 with 2 × 2;
+    INT4 0.185 and 0.188; the mix 0.231 with 2 × 2 and 0.252 with 1 × 1. The mix with 2 blocks
+    × 4 warps, in an earlier run: 0.200 (B=1 × 128K: 0.115, against 0.126 and 0.110 for 2 × 2
+    and 1 × 1; runs differ by up to 10 %, benchmarks/RESULTS.md)."""
+    return 2 if mixed_formats else 1
+
+
+def default_warps(rows: int, mixed_formats: bool) -> int:
+    """Warps per program for a dot of ``rows`` query rows (all row groups of a tile): one warp
+    per 16 rows (one mma row tile), at least 1, or 4 for a 2/4 mix. Warps along the keys share
+    the softmax through shared memory and barriers; one warp keeps it in registers. A mix
+    compiles both code paths into one kernel, and its single warp would run out of registers."""
+    return max(4 if mixed_formats else 1, rows // 16)
 
 
 def resolve(config: DecodeConfig, q: Tensor, t) -> DecodeConfig:
     """``config`` as the launch for ``q`` ``[B, Hq, Lq, D]`` over the storage ``t`` uses it:
-    ``blocks_per_iter`` lowered to :data:`MAX_ROWS` rows, ``num_warps`` from
-    :func:`default_warps` and ``splits`` from :func:`default_splits` when None."""
+    ``blocks_per_iter`` (:func:`default_blocks_per_iter` when None) lowered to
+    :data:`MAX_ROWS` rows, ``num_warps`` from :func:`default_warps` and ``splits`` from
+    :func:`default_splits` when None."""
     b, hq, lq, _ = q.shape
     _, _, h, n_blocks, _ = t.step.shape
-    bpi = min(config.blocks_per_iter, max(1, MAX_ROWS // triton.next_power_of_2(hq // h * lq)))
-    warps = config.num_warps or default_warps(t.heads4.numel() > 0 and t.heads2.numel() > 0)
+    mixed = t.heads4.numel() > 0 and t.heads2.numel() > 0
+    rows = triton.next_power_of_2(hq // h * lq)
+    bpi = min(config.blocks_per_iter or default_blocks_per_iter(mixed), max(1, MAX_ROWS // rows))
+    warps = config.num_warps or default_warps(bpi * rows, mixed)
     splits = config.splits or default_splits(b, h, n_blocks, bpi, warps, _sm_count(q.device))
     return dataclasses.replace(config, blocks_per_iter=bpi, num_warps=warps, splits=splits)
 
