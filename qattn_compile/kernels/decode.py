@@ -54,7 +54,7 @@ unpacking produces *is* the mma operand layout: Triton then reads the packed wor
 memory straight into it, with no fp16 round trip through shared memory (:func:`_key_tile`
 for Q·Kᵀ, whose reduction axis is the channels; :func:`_value_tile` for P·V, whose reduction
 axis is the tokens, so a thread reads one word of four consecutive tokens). Before (unpacked
-tiles stored to and reloaded from shared memory): 51 KB of shared memory and 255 registers
+tiles stored to and reloaded from shared memory): 52 KB of shared memory and 255 registers
 per 2-warp program, 4 programs per SM.
 
 Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metadata for K and
@@ -64,7 +64,7 @@ Triton 3.6, CUDA graphs, GQA 32/8) against SDPA cuDNN on a bf16 cache (0.364 ms 
 (2.02×), INT2 0.156 (2.34×) and 0.079 (2.43×), the 2/4 mix 0.200 (1.84×) and 0.115 (1.69×; 4-warp
 programs, measured in a run before the INT2 key tile got its operand layout).
 The kernel reads the bytes at half of HBM's rate: it is still bound by instructions and
-latency (~1000 per warp and 64-token block, sm_90 SASS), not by memory
+latency (~2000 warp instructions per 64-token block, sm_90 SASS), not by memory
 (benchmarks/NOTES.md).
 """
 
