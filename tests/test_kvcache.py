@@ -389,7 +389,7 @@ def test_decode_kernel_buffer_only_wide_and_empty_buffers(length, buffer_tokens)
 
 def test_default_splits_and_config_validation():
     from qattn_compile.kernels.decode import (
-        MAX_SPLITS, DecodeConfig, default_blocks_per_iter, default_splits, default_warps,
+        MAX_SPLITS, DecodeConfig, default_splits, default_warps,
     )
 
     blocks_32k, blocks_128k = 32768 // KV_CACHE_BLOCK + 2, 131072 // KV_CACHE_BLOCK + 2
@@ -400,9 +400,7 @@ def test_default_splits_and_config_validation():
     assert default_splits(64, 8, blocks_32k, 2, 2) == 5
     assert default_splits(1, 1, 3, 2, 2) == 1  # short caches: one split
     assert default_splits(8, 8, blocks_32k, 1, 1) == 66  # the defaults for GQA 32/8: 32 one-warp programs per SM
-    assert [default_warps(rows, mixed_formats=False) for rows in (4, 16, 32, 64)] == [1, 1, 2, 4]
-    assert [default_warps(rows, mixed_formats=True) for rows in (8, 128)] == [4, 8]  # two code paths: 4 warps
-    assert default_blocks_per_iter(mixed_formats=False) == 1 and default_blocks_per_iter(mixed_formats=True) == 2
+    assert [default_warps(rows) for rows in (4, 16, 32, 64)] == [1, 1, 2, 4]
     for bad in ({"blocks_per_iter": 8}, {"codes": "int8"}, {"splits": 0}, {"splits": MAX_SPLITS + 1}):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)

@@ -4,24 +4,26 @@ Semantics: :func:`qattn_compile.kvcache.flashq.reference_decode`; storage layout
 :class:`qattn_compile.kvcache.flashq.FlashQTensors`; arithmetic of the blocks:
 :mod:`qattn_compile.kvcache.flashq`.
 
-Work split. The grid is ``(H, splits + 1, B)``, the INT4 heads' slots first along axis 0.
-Program ``(slot, i, b)`` with ``i < splits`` serves the ``GL = G·Lq`` query rows of the kv
+Work split. The grid is ``(splits + 1, B, H)``, the INT4 heads' slots first along axis 2.
+Program ``(i, b, slot)`` with ``i < splits`` serves the ``GL = G·Lq`` query rows of the kv
 head's query group (GQA) against split ``i``'s even share of the stored compressed tiles;
 program ``i = splits`` serves the same rows against the INT8 buffer. The stored length is
 read on the device, so the launch never syncs with the host (CUDA-graph safe), and the split
 count depends only on the capacity (:func:`default_splits`). Each program merges its row
 groups and writes one partial ``(m, l, acc)``; :func:`_combine_kernel` loads the
-``splits + 1`` partials of a (batch, kv head) at once and merges them.
+``splits + 1`` partials of a (batch, kv head) at once and merges them. The head slot is the
+slowest grid axis, so a 2/4 mix's INT4 programs are dispatched before its INT2 ones and an SM
+runs one format's loop at a time: with the slot fastest, the two ~30 KB loops alternated on
+every SM (H100, B=8 × 32K, one-warp programs: 0.201 → 0.161 ms).
 
 Tiles of one or several blocks, one row group per block. A tensor-core dot needs 16 rows
 and a query group has few (``GL = 4`` for GQA 32/8 at ``Lq = 1``), so a loop iteration can
 take ``BPI`` (:attr:`DecodeConfig.blocks_per_iter`) consecutive 64-token blocks as one
 ``BPI·64``-token tile and give block ``j`` of the tile its own row group, rows ``j·GLP + r``
 (``GLP`` = ``GL`` rounded up to a power of two), each row with its own online-softmax state
-over the tokens of its block slot (the other slots' scores are masked). Single-format caches
-run one block per iteration in one-warp programs (:func:`default_blocks_per_iter`,
-:func:`default_warps`): the softmax stays in one warp's registers, and many small programs
-per SM hide each other's latency. ``num_stages`` > 1 prefetches the codes of the next tiles
+over the tokens of its block slot (the other slots' scores are masked). The default is one
+block per iteration in one-warp programs (:func:`default_warps`): the softmax stays in one
+warp's registers, and many small programs per SM hide each other's latency. ``num_stages`` > 1 prefetches the codes of the next tiles
 into shared memory.
 
 Dequantization folded into the scores and the output (per block and channel ``c``:
@@ -38,12 +40,15 @@ with ``BPI·GLP = 8`` the extra rows fill the dot's 16 for free). ``Σ_t P`` is 
 fp16 P the dot sees, so that the ``lo`` term matches it.
 
 Codes become fp16 without int→float conversions (which run at a quarter of the ALU rate):
-the packed row is read as int32 words, and ``(w >> shift) & 0x000F000F`` (INT4;
-``0x00030003`` INT2) puts two codes into the low bits of a word's two 16-bit halves, which are
-then read as fp16. ``codes="subnormal"`` reads those bits as the fp16 subnormal ``code·2⁻²⁴``
-(exact; ``2²⁴`` is folded into ``s8``). ``codes="biased"`` ors in the exponent of 1024 and
-subtracts ``1024 + 2^(bits-1)`` in fp16 (exact, centered codes; one more fp16 op per two
-codes), for a GPU whose tensor cores would flush subnormal inputs. Rows that are not whole
+the packed row is read as int32 words, and a mask puts two codes into a word's two 16-bit
+halves, which are then read as fp16. ``codes="subnormal"`` masks each code in place within
+its byte, ``w & 0x00F000F0`` (INT4; after one ``w >> 8`` for the high bytes), and reads the
+bits as the fp16 subnormal ``code·2^f·2⁻²⁴``, ``f`` the code's bit offset in its byte:
+exact, one op per two codes, and ``2^-f`` is folded into the column's ``step``, ``2²⁴`` into
+``s8`` (H100, against shifting every code down to bit 0: 17 % fewer instructions per tile,
+INT4 0.192 → 0.165–0.174 ms at B=8 × 32K). ``codes="biased"`` shifts the codes down, ors in
+the exponent of 1024 and subtracts ``1024 + 2^(bits-1)`` in fp16 (exact, centered codes),
+for a GPU whose tensor cores would flush subnormal inputs. Rows that are not whole
 int32 words (head dims not a multiple of 8 for INT4, 16 for INT2) are assembled from byte
 loads.
 
@@ -57,15 +62,17 @@ axis is the tokens, so a thread reads one word of four consecutive tokens). Befo
 tiles stored to and reloaded from shared memory): 52 KB of shared memory and 255 registers
 per 2-warp program, 4 programs per SM.
 
+Token rows are clamped per block (a ragged last tile re-reads the last block), so Triton
+sees 64 consecutive rows, and the packed row stride is a compile-time constant.
+
 Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metadata for K and
 as much for V (136), INT2 72, against 512 for a bf16 cache. Measured (H100, torch 2.11,
 Triton 3.6, CUDA graphs, GQA 32/8) against SDPA cuDNN on a bf16 cache (0.364 ms at B=8 × 32K,
-0.193 at B=1 × 128K): INT4 0.191 ms (1.90×; 1.5 TB/s of the 0.29 GB it reads) and 0.095
-(2.02×), INT2 0.156 (2.34×) and 0.079 (2.43×), the 2/4 mix 0.200 (1.84×) and 0.115 (1.69×; 4-warp
-programs, measured in a run before the INT2 key tile got its operand layout).
-The kernel reads the bytes at half of HBM's rate: it is still bound by instructions and
-latency (~2000 warp instructions per 64-token block, sm_90 SASS), not by memory
-(benchmarks/NOTES.md).
+0.193 at B=1 × 128K, 0.064 at B=1 × 32K): INT4 0.165–0.174 ms (2.1–2.2×; ~1.7 TB/s of the
+0.29 GB it reads), 0.086 (2.2×) and 0.036 (1.8×); INT2 0.137–0.142 (2.6×), 0.072 (2.7×) and
+0.030 (2.2×); the 2/4 mix 0.161 (2.3×), 0.093 (2.1×) and 0.036–0.037 (1.7–1.8×). The kernel
+still reads its bytes well below HBM's rate: it is bound by instructions and latency (~1700
+warp instructions per 64-token block, sm_90 SASS), not by memory (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -95,6 +102,9 @@ MAX_SPLITS = 127
 """With the buffer's program, at most 128 partials per (batch, kv head), which the merge
 loads at once."""
 _DEFAULT_SMS = 132  # H100 SXM; what the heuristic assumes for tensors not on a CUDA device
+BUFFER_N = tl.constexpr(16)
+"""INT8 buffer tokens per row group and loop iteration (small: the buffer part's registers
+count for the whole kernel)."""
 _COMBINE_TILE = 8192  # partial values one merge program loads at once (64 per thread)
 MAX_ROWS = 64
 """Row groups stop at this many rows per program (``blocks_per_iter`` is lowered for large
@@ -119,20 +129,21 @@ class DecodeConfig:
     The defaults are the fastest of the H100 sweeps (``benchmarks/decode.py --sweep``,
     Triton 3.6, with the code tiles built in the dots' operand layout): 1 block per
     iteration, 2 stages, the warps of :func:`default_warps` (one warp for GQA 32/8 at
-    ``Lq = 1``), and the splits of :func:`default_splits` for them. At B=8 × 32K, INT2 1
-    warp × 1 block 0.151 ms against 2 warps × 2 blocks 0.181; INT4 0.183 against 0.194; 3
-    stages 1.2–1.5× slower, capping the registers (``maxnreg`` 168 or 128, for more programs
-    per SM) 1.1–1.3× slower.
+    ``Lq = 1``), and the splits of :func:`default_splits` for them, for every format. At
+    B=8 × 32K, INT2 1 warp × 1 block 0.151 ms against 2 warps × 2 blocks 0.181; INT4 0.183
+    against 0.194; the 2/4 mix (head slot the slowest grid axis) 0.161 against 0.251 for 4
+    warps × 2 blocks; 3 stages 1.2–1.5× slower, capping the registers (``maxnreg`` 200, 168
+    or 128, for more programs per SM) 1.03–1.3× slower.
     """
 
     splits: int | None = None
-    blocks_per_iter: int | None = None
+    blocks_per_iter: int = 1
     codes: str = "subnormal"
     num_warps: int | None = None
     num_stages: int = 2
 
     def __post_init__(self):
-        if self.blocks_per_iter not in (None, 1, 2, 4):
+        if self.blocks_per_iter not in (1, 2, 4):
             raise ValueError(f"blocks_per_iter must be 1, 2 or 4, got {self.blocks_per_iter}")
         if self.codes not in CODE_FORMATS:
             raise ValueError(f"codes must be one of {CODE_FORMATS}, got {self.codes!r}")
@@ -146,8 +157,8 @@ class DecodeConfig:
 @triton.jit
 def _channel_of(col, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Channel of code ``col`` (``(32/BITS)·j + i``: code ``i`` of word ``j`` of a token's packed
-    row, in :func:`_load_codes` order) and whether it is a real channel (codes past the row's
-    bytes are padding). Code ``i`` sits at bit ``(i // 2)·BITS + 16·(i % 2)`` of its word, i.e.
+    row, in :func:`_load_codes` order), whether it is a real channel (codes past the row's
+    bytes are padding) and its bit field in its byte (subnormal codes carry ``2^(field·BITS)``). Code ``i`` sits at bit ``(i // 2)·BITS + 16·(i % 2)`` of its word, i.e.
     byte ``4j + pos // 8`` and bit field ``(pos % 8) / BITS`` of the split layout (byte ``n``
     holds channel ``n + field·D·BITS/8``)."""
     PER_WORD: tl.constexpr = 32 // BITS
@@ -156,21 +167,21 @@ def _channel_of(col, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     pos = (i // 2) * BITS + 16 * (i % 2)
     byte = 4 * (col // PER_WORD) + pos // 8
     field = (pos % 8) // BITS
-    return byte + field * ROW_BYTES, byte < ROW_BYTES
+    return byte + field * ROW_BYTES, byte < ROW_BYTES, field
 
 
 @triton.jit
 def _value_channels(BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Channel of each column ``[WP·32/BITS]`` of a value code tile (:func:`_value_tile`) and
-    whether it is a real channel."""
+    """Channel of each row ``[WP·32/BITS]`` of a value code tile (:func:`_value_tile`), whether
+    it is a real channel, and its bit field (:func:`_channel_of`)."""
     col = tl.arange(0, WP * (32 // BITS))
     return _channel_of((col % WP) * (32 // BITS) + col // WP, BITS, HEAD_DIM)
 
 
 @triton.jit
 def _key_channels(BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Channel of each row ``[WP·32/BITS]`` of a key code tile (:func:`_key_tile`) and whether
-    it is a real channel."""
+    """Channel of each column ``[WP·32/BITS]`` of a key code tile (:func:`_key_tile`), whether
+    it is a real channel, and its bit field (:func:`_channel_of`)."""
     PER_WORD: tl.constexpr = 32 // BITS
     R: tl.constexpr = WP // 4 if WP >= 4 else 1
     Q: tl.constexpr = WP // R
@@ -183,11 +194,22 @@ def _key_channels(BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(ptr, rows, stride_t, BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _field_weight(field, BITS: tl.constexpr, BIASED: tl.constexpr):
+    """Per code column ``[C]`` float32: what a step multiplies so that a code that carries
+    ``2^(field·BITS)`` (subnormal codes, :func:`_load_codes`) weighs as a code; 1 for biased
+    codes."""
+    if BIASED:
+        return tl.full(field.shape, 1.0, tl.float32)
+    return 1.0 / (1 << (field * BITS)).to(tl.float32)
+
+
+@triton.jit
+def _load_codes(ptr, rows, stride_t: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr,
                 WORDS: tl.constexpr, BIASED: tl.constexpr):
     """Codes of token rows ``rows`` ``[N]`` as fp16 ``[N, WP, 32/BITS]`` (code ``i`` of word
-    ``j``, see :func:`_channel_of`): ``code·2⁻²⁴`` (subnormal) or, ``BIASED``,
-    ``code - 2^(BITS-1)``. Padding columns hold code 0.
+    ``j``, see :func:`_channel_of`): ``code·2^(field·BITS)·2⁻²⁴`` (subnormal: masked in place
+    within its byte, one op per two codes, so a code carries the weight of its bit field) or,
+    ``BIASED``, ``code - 2^(BITS-1)``. Padding columns hold code 0.
 
     ``ptr`` points at packed rows of ``HEAD_DIM·BITS/8`` bytes, ``stride_t`` bytes apart.
     ``WORDS``: rows are whole, 4-byte aligned int32 words (one vector load per thread);
@@ -207,16 +229,26 @@ def _load_codes(ptr, rows, stride_t, BITS: tl.constexpr, WP: tl.constexpr, HEAD_
         for k in tl.static_range(4):
             byte = tl.load(base + k, mask=(4 * j + k < ROW_BYTES)[None, :], other=0)
             w = w | (byte.to(tl.int32) << (8 * k))
-    # shifts in column order: (i // 2)·BITS for i = 0, 2, 4, ...; the halves follow below
-    if BITS == 4:
-        m: tl.constexpr = 0x000F000F
-        p = tl.join(tl.join(w & m, (w >> 8) & m), tl.join((w >> 4) & m, (w >> 12) & m))
-    else:
-        m: tl.constexpr = 0x00030003
-        p = tl.join(
-            tl.join(tl.join(w & m, (w >> 8) & m), tl.join((w >> 4) & m, (w >> 12) & m)),
-            tl.join(tl.join((w >> 2) & m, (w >> 10) & m), tl.join((w >> 6) & m, (w >> 14) & m)),
-        )
+    # bit positions in column order: (i // 2)·BITS for i = 0, 2, 4, ...; the halves follow below
+    if BIASED:  # codes shifted down to bit 0, exact once the exponent is or-ed in
+        if BITS == 4:
+            m: tl.constexpr = 0x000F000F
+            p = tl.join(tl.join(w & m, (w >> 8) & m), tl.join((w >> 4) & m, (w >> 12) & m))
+        else:
+            m: tl.constexpr = 0x00030003
+            p = tl.join(
+                tl.join(tl.join(w & m, (w >> 8) & m), tl.join((w >> 4) & m, (w >> 12) & m)),
+                tl.join(tl.join((w >> 2) & m, (w >> 10) & m), tl.join((w >> 6) & m, (w >> 14) & m)),
+            )
+    else:  # codes masked in place within their byte (the fp16 mantissa): code·2^(pos % 8)
+        w8 = w >> 8
+        if BITS == 4:
+            p = tl.join(tl.join(w & 0x000F000F, w8 & 0x000F000F), tl.join(w & 0x00F000F0, w8 & 0x00F000F0))
+        else:
+            p = tl.join(
+                tl.join(tl.join(w & 0x00030003, w8 & 0x00030003), tl.join(w & 0x00300030, w8 & 0x00300030)),
+                tl.join(tl.join(w & 0x000C000C, w8 & 0x000C000C), tl.join(w & 0x00C000C0, w8 & 0x00C000C0)),
+            )
     if BIASED:
         p = p | 0x64006400  # fp16 1024 + code in each half
     half = tl.join(p, p >> 16).to(tl.int16)
@@ -331,7 +363,7 @@ def _query_rows(q_ptr, sq_b, sq_h, sq_l, b, h, qk_scale, ch, ch_ok,
 @triton.jit
 def _compressed_part(
     q_ptr, sq_b, sq_h, sq_l, qk_scale,
-    codes_ptr, c_kv, c_t,
+    codes_ptr, c_kv, c_t: tl.constexpr,
     step_ptr, lo_ptr, m_kv, m_blk,
     s8_ptr, s8_kv,
     mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
@@ -358,8 +390,10 @@ def _compressed_part(
     TILE: tl.constexpr = BPI * BLOCK_N
     UNIT: tl.constexpr = 1.0 if BIASED else 16777216.0  # 2**24: subnormal codes are code·2**-24
     CENTER: tl.constexpr = (1 << (BITS - 1)) if BIASED else 0  # biased codes are code - CENTER
-    kch, kch_ok = _key_channels(BITS, WP, HEAD_DIM)
-    ch, ch_ok = _value_channels(BITS, WP, HEAD_DIM)
+    kch, kch_ok, k_field = _key_channels(BITS, WP, HEAD_DIM)
+    ch, ch_ok, v_field = _value_channels(BITS, WP, HEAD_DIM)
+    k_weight = _field_weight(k_field, BITS, BIASED)
+    v_weight = _field_weight(v_field, BITS, BIASED)
     q, row_ok, hq, qi, slot = _query_rows(q_ptr, sq_b, sq_h, sq_l, b, h, qk_scale, kch, kch_ok, G, LQ, GLP, BPI)
     mask_row_ptr = mask_ptr + b * sm_b + hq * sm_h + qi * sm_q
     qpos = length - LQ + qi
@@ -380,8 +414,10 @@ def _compressed_part(
     for tile in range(first, last):
         blk = tile * BPI + slot
         blk_in = tl.minimum(blk, n_blocks - 1)  # a ragged last tile re-reads the last block
-        key_rows = tl.minimum(tile * TILE + toks, compressed - 1)
-        k_step = _row_groups(nk_step, GLP)  # loaded in the previous iteration
+        # clamped per block, so that Triton sees 64 consecutive rows (one base, constant offsets)
+        tok_blk = tl.minimum(tile * BPI + toks // BLOCK_N, n_blocks - 1)
+        key_rows = tok_blk * BLOCK_N + toks % BLOCK_N
+        k_step = _row_groups(nk_step.to(tl.float32) * k_weight[None, :], GLP)  # loaded in the previous iteration
         k_lo = _row_groups(nk_lo, GLP)
         k_s8 = tl.load(s8_ptr + blk_in)
         bias = tl.sum(q * (k_lo + CENTER * k_step), 1)
@@ -392,7 +428,7 @@ def _compressed_part(
         s = tl.where(own & (blk < n_blocks)[:, None], s, float("-inf"))
         s = _visible(s, tile * TILE + toks, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
         m_i, alpha, l_i, p = _softmax_step(s, m_i, l_i)
-        v_step = _row_groups(nv_step, GLP)
+        v_step = _row_groups(nv_step.to(tl.float32) * v_weight[None, :], GLP)
         v_lo = _row_groups(nv_lo, GLP)
         v_s8 = tl.load(s8_ptr + s8_kv + blk_in)
         vc = _value_tile(_load_codes(codes_ptr + c_kv, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED))
@@ -418,8 +454,9 @@ def _buffer_part(
     GLP: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
 ):
     """Online-softmax state of the INT8 buffer (tokens ``[compressed, length)``) of (batch
-    ``b``, kv head ``h``), row layout of :func:`_query_rows` (slot ``j`` takes the ``j``-th 64
-    tokens of each ``BPI·64``-token tile), columns in channel order ``[DO]``.
+    ``b``, kv head ``h``), row layout of :func:`_query_rows` (slot ``j`` takes the ``j``-th
+    ``BLOCK_N`` tokens of each ``BPI·BLOCK_N``-token tile; the kernel passes
+    :data:`BUFFER_N`), columns in channel order ``[DO]``.
 
     ``buf_ptr`` ``[2, n_b, D]`` int8 (strides ``buf_kv``, ``buf_t``), ``bs_ptr`` ``[2]`` float32
     (``bs_kv``), offset to this (batch, head). Returns ``(m, l, acc, ch, ch_ok)`` like
@@ -474,8 +511,8 @@ def _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part,
 @triton.jit
 def _flashq_decode_kernel(
     q_ptr, sq_b, sq_h, sq_l,
-    c4_ptr, c4_kv, c4_b, c4_h, c4_t,
-    c2_ptr, c2_kv, c2_b, c2_h, c2_t,
+    c4_ptr, c4_kv, c4_b, c4_h, c4_t: tl.constexpr,
+    c2_ptr, c2_kv, c2_b, c2_h, c2_t: tl.constexpr,
     heads4_ptr, heads2_ptr, n4,
     step_ptr, lo_ptr, m_kv, m_b, m_h, m_blk,
     s8_ptr, s8_kv, s8_b, s8_h,
@@ -490,14 +527,15 @@ def _flashq_decode_kernel(
     WP4: tl.constexpr, WP2: tl.constexpr, WORDS4: tl.constexpr, WORDS2: tl.constexpr, BIASED: tl.constexpr,
     HAS4: tl.constexpr, HAS2: tl.constexpr,
 ):
-    """Grid ``(H, splits + 1, B)``: axis 0 is the head slot (the ``n4`` INT4 slots first), axis
-    1 the split of the compressed blocks, the last one the INT8 buffer. ``HAS4``/``HAS2``: the
-    cache has INT4/INT2 heads (a single-format cache compiles one path)."""
-    slot = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-    n_heads = tl.num_programs(0)
-    n_parts = tl.num_programs(1)
+    """Grid ``(splits + 1, B, H)``: axis 0 is the split of the compressed blocks, the last one
+    the INT8 buffer; axis 2 the head slot (the ``n4`` INT4 slots first), the slowest, so that
+    an SM runs one format's loop at a time. ``HAS4``/``HAS2``: the cache has INT4/INT2 heads
+    (a single-format cache compiles one path)."""
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    slot = tl.program_id(2)
+    n_heads = tl.num_programs(2)
+    n_parts = tl.num_programs(0)
     h = tl.load(tl.where(slot < n4, heads4_ptr + slot, heads2_ptr + slot - n4))
     length = tl.load(len_ptr).to(tl.int32)
     compressed = (length // NBUF) * NBUF
@@ -506,7 +544,7 @@ def _flashq_decode_kernel(
         m_i, l_i, acc, ch, ch_ok = _buffer_part(
             q_ptr, sq_b, sq_h, sq_l, qk_scale, buf_ptr + b * buf_b + h * buf_h, buf_kv, buf_t,
             bs_ptr + b * bs_b + h, bs_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
-            b, h, length, compressed, DO, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND,
+            b, h, length, compressed, DO, HEAD_DIM, G, LQ, GLP, BPI, BUFFER_N, MASK_KIND,
         )
         _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
     else:
@@ -617,35 +655,22 @@ def _word_rows(codes: Tensor) -> bool:
     return codes.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in codes.stride()[:-1]) and codes.data_ptr() % 4 == 0
 
 
-def default_blocks_per_iter(mixed_formats: bool) -> int:
-    """Blocks per loop iteration: 1 for a cache whose heads are all INT4 or all INT2, 2 for a
-    2/4 mix (whose kernel holds both code paths and runs 4-warp programs, :func:`default_warps`).
-    H100, B=8 × 32K, GQA 32/8, one run: INT2 0.152 ms with 1 block × 1 warp, 0.178 with 2 × 2;
-    INT4 0.185 and 0.188; the mix 0.231 with 2 × 2 and 0.252 with 1 × 1. The mix with 2 blocks
-    × 4 warps, in an earlier run: 0.200 (B=1 × 128K: 0.115, against 0.126 and 0.110 for 2 × 2
-    and 1 × 1; runs differ by up to 10 %, benchmarks/RESULTS.md)."""
-    return 2 if mixed_formats else 1
-
-
-def default_warps(rows: int, mixed_formats: bool) -> int:
+def default_warps(rows: int) -> int:
     """Warps per program for a dot of ``rows`` query rows (all row groups of a tile): one warp
-    per 16 rows (one mma row tile), at least 1, or 4 for a 2/4 mix. Warps along the keys share
-    the softmax through shared memory and barriers; one warp keeps it in registers. A mix
-    compiles both code paths into one kernel, and its single warp would run out of registers."""
-    return max(4 if mixed_formats else 1, rows // 16)
+    per 16 rows (one mma row tile), at least 1. Warps along the keys would share the softmax
+    through shared memory and barriers; one warp keeps it in registers."""
+    return max(1, rows // 16)
 
 
 def resolve(config: DecodeConfig, q: Tensor, t) -> DecodeConfig:
     """``config`` as the launch for ``q`` ``[B, Hq, Lq, D]`` over the storage ``t`` uses it:
-    ``blocks_per_iter`` (:func:`default_blocks_per_iter` when None) lowered to
-    :data:`MAX_ROWS` rows, ``num_warps`` from :func:`default_warps` and ``splits`` from
-    :func:`default_splits` when None."""
+    ``blocks_per_iter`` lowered to :data:`MAX_ROWS` rows, ``num_warps`` from
+    :func:`default_warps` and ``splits`` from :func:`default_splits` when None."""
     b, hq, lq, _ = q.shape
     _, _, h, n_blocks, _ = t.step.shape
-    mixed = t.heads4.numel() > 0 and t.heads2.numel() > 0
     rows = triton.next_power_of_2(hq // h * lq)
-    bpi = min(config.blocks_per_iter or default_blocks_per_iter(mixed), max(1, MAX_ROWS // rows))
-    warps = config.num_warps or default_warps(bpi * rows, mixed)
+    bpi = min(config.blocks_per_iter, max(1, MAX_ROWS // rows))
+    warps = config.num_warps or default_warps(bpi * rows)
     splits = config.splits or default_splits(b, h, n_blocks, bpi, warps, _sm_count(q.device))
     return dataclasses.replace(config, blocks_per_iter=bpi, num_warps=warps, splits=splits)
 
@@ -676,7 +701,7 @@ def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: f
     # zero-size code tensors (no INT4 or no INT2 heads) are never read: pass the other one
     c4 = c4 if c4.numel() else c2
     c2 = c2 if c2.numel() else c4
-    _flashq_decode_kernel[(h, parts, b)](
+    _flashq_decode_kernel[(parts, b, h)](
         q, q.stride(0), q.stride(1), q.stride(2),
         c4, c4.stride(0), c4.stride(1), c4.stride(2), c4.stride(3),
         c2, c2.stride(0), c2.stride(1), c2.stride(2), c2.stride(3),
