@@ -87,13 +87,16 @@ def variants(sweep: bool) -> list[tuple[str, dict]]:
 
 def _config(fields: dict, q, t: flashq.FlashQTensors) -> DecodeConfig:
     """The variant ``fields`` as launched for ``q`` over ``t`` (:func:`resolve`), relative
-    split counts applied to the default ones."""
+    split counts (``"half"``, ``"double"``) applied to the default ones; an integer count is
+    taken as is."""
     fields = dict(fields)
-    relative = fields.pop("splits", None)
+    splits = fields.pop("splits", None)
+    if isinstance(splits, int):
+        fields["splits"] = splits
     config = resolve(DecodeConfig(**fields), q, t)
-    if relative == "half":
+    if splits == "half":
         return dataclasses.replace(config, splits=max(1, config.splits // 2))
-    if relative == "double":
+    if splits == "double":
         return dataclasses.replace(config, splits=min(MAX_SPLITS, config.splits * 2))
     return config
 

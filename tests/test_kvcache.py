@@ -393,17 +393,40 @@ def test_default_splits_and_config_validation():
     )
 
     blocks_32k, blocks_128k = 32768 // KV_CACHE_BLOCK + 2, 131072 // KV_CACHE_BLOCK + 2
-    assert default_splits(8, 8, blocks_32k, 2, 4) == 17  # 8 four-warp programs per SM: cdiv(8·132, 8·8)
-    assert default_splits(8, 8, blocks_32k, 2, 2) == 33  # 16 two-warp programs per SM
-    assert default_splits(1, 8, blocks_128k, 2, 2) == MAX_SPLITS
-    assert default_splits(1, 8, blocks_32k, 2, 2) == 64  # 4 tiles of 2 blocks per split
-    assert default_splits(64, 8, blocks_32k, 2, 2) == 5
+    # two waves of resident programs (8 warps per SM), one buffer program per (batch, kv head)
+    assert default_splits(8, 8, blocks_32k, 1, 1) == 32  # the defaults for GQA 32/8: 64·33 = 2·8·132
+    assert default_splits(8, 8, blocks_32k, 2, 2) == 15  # 4 two-warp programs per SM: 64·16 = 2·4·132 - 32
+    assert default_splits(8, 8, blocks_32k, 2, 4) == 7  # 2 four-warp programs per SM
+    assert default_splits(1, 8, blocks_128k, 1, 1) == MAX_SPLITS
+    assert default_splits(1, 8, blocks_32k, 2, 2) == 64  # at least 4 tiles of 2 blocks per split
+    assert default_splits(64, 8, blocks_32k, 2, 2) == 1  # more (batch, kv head)s than a wave: one split
     assert default_splits(1, 1, 3, 2, 2) == 1  # short caches: one split
-    assert default_splits(8, 8, blocks_32k, 1, 1) == 66  # the defaults for GQA 32/8: 32 one-warp programs per SM
     assert [default_warps(rows) for rows in (4, 16, 32, 64)] == [1, 1, 2, 4]
     for bad in ({"blocks_per_iter": 8}, {"codes": "int8"}, {"splits": 0}, {"splits": MAX_SPLITS + 1}):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
+
+
+def test_decode_benchmark_variants_resolve_their_split_counts():
+    """benchmarks/decode.py: an integer split count is launched as given, ``half``/``double``
+    relative to the default (an integer count was once dropped, timing the default twice)."""
+    import importlib.util
+    from pathlib import Path
+
+    from qattn_compile.kernels.decode import resolve, DecodeConfig
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    layer, _, _ = _filled_layer(1, 2, 1300, 32, 1, 0, capacity=1400)
+    q = torch.randn(1, 8, 1, 32, dtype=torch.float16)
+    t = layer.tensors()
+    default = resolve(DecodeConfig(), q, t).splits
+    assert default > 2
+    assert bench._config({"splits": 3}, q, t).splits == 3
+    assert bench._config({"splits": "half"}, q, t).splits == default // 2
+    assert bench._config({}, q, t).splits == default
 
 
 # ------------------------------------------------------------------------------------------

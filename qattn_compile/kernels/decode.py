@@ -68,11 +68,13 @@ sees 64 consecutive rows, and the packed row stride is a compile-time constant.
 Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metadata for K and
 as much for V (136), INT2 72, against 512 for a bf16 cache. Measured (H100, torch 2.11,
 Triton 3.6, CUDA graphs, GQA 32/8) against SDPA cuDNN on a bf16 cache (0.364 ms at B=8 × 32K,
-0.193 at B=1 × 128K, 0.064 at B=1 × 32K): INT4 0.165–0.174 ms (2.1–2.2×; ~1.7 TB/s of the
-0.29 GB it reads), 0.086 (2.2×) and 0.036 (1.8×); INT2 0.137–0.142 (2.6×), 0.072 (2.7×) and
-0.030 (2.2×); the 2/4 mix 0.161 (2.3×), 0.093 (2.1×) and 0.036–0.037 (1.7–1.8×). The kernel
-still reads its bytes well below HBM's rate: it is bound by instructions and latency (~1700
-warp instructions per 64-token block, sm_90 SASS), not by memory (benchmarks/NOTES.md).
+0.193 at B=1 × 128K, 0.064 at B=1 × 32K): INT4 0.149–0.159 ms (2.3–2.4×; ~1.8 TB/s of the
+0.29 GB it reads), 0.086 (2.2×) and 0.036 (1.8×); INT2 0.124–0.129 (2.8–2.9×), 0.072 (2.7×)
+and 0.030 (2.1×); the 2/4 mix 0.146–0.148 (2.5×), 0.093 (2.1×) and 0.037 (1.7×). The
+kernel still reads its bytes well below HBM's rate: it is bound by instructions and latency
+(~1700 warp instructions per 64-token block, sm_90 SASS; 8 resident warps per SM, each
+issuing every ~4.6 cycles, most often waiting on a global load), not by memory
+(benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -91,10 +93,16 @@ from .primitives import interpreted
 
 _LOG2E = 1.4426950408889634
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
-WARPS_PER_SM = 32
-""":func:`default_splits` aims at programs of this many warps in all per SM (32 one-warp
-programs): several waves of resident programs, so that the last, partly filled wave is a small
-part of the time."""
+RESIDENT_WARPS_PER_SM = 8
+"""Warps of the decode kernel an SM holds at once: 8 is what the one-warp program's 255
+registers allow (65536 / (256·32)). One wave of programs is this times the SM count."""
+WAVES = 2
+""":func:`default_splits` sizes the grid to this many whole waves of resident programs.
+Per-program costs (the first tiles' loads, the row-group merge and the partial's store, the
+partials the merge kernel reads) are paid once per program, so fewer, longer programs win,
+and a partly filled last wave idles SMs. H100, B=8 × 32K, INT4 / 2/4 mix / INT2 (one run):
+1 wave 0.154–0.163 / 0.170–0.173 / 0.130–0.134 ms, 2 waves 0.149 / 0.146 / 0.124, 4 waves
+0.165–0.175 / 0.160–0.162 / 0.142–0.143, 1.3 and 1.5 waves 0.180–0.198 / 0.183–0.207 / 0.152–0.155."""
 MIN_TILES_PER_SPLIT = 4
 """A split gets at least this many tiles of the capacity (each program first loads its
 queries and finally merges and stores its state: a few tiles' worth of latency)."""
@@ -129,7 +137,8 @@ class DecodeConfig:
     The defaults are the fastest of the H100 sweeps (``benchmarks/decode.py --sweep``,
     Triton 3.6, with the code tiles built in the dots' operand layout): 1 block per
     iteration, 2 stages, the warps of :func:`default_warps` (one warp for GQA 32/8 at
-    ``Lq = 1``), and the splits of :func:`default_splits` for them, for every format. At
+    ``Lq = 1``), and the splits of :func:`default_splits` for them (two waves), for every
+    format. At
     B=8 × 32K, INT2 1 warp × 1 block 0.151 ms against 2 warps × 2 blocks 0.181; INT4 0.183
     against 0.194; the 2/4 mix (head slot the slowest grid axis) 0.161 against 0.251 for 4
     warps × 2 blocks; 3 stages 1.2–1.5× slower, capping the registers (``maxnreg`` 200, 168
@@ -609,16 +618,18 @@ def _combine_kernel(
 
 def default_splits(batch: int, kv_heads: int, n_blocks: int, blocks_per_iter: int, num_warps: int,
                    sms: int = _DEFAULT_SMS) -> int:
-    """Splits per (batch, kv head): enough ``num_warps``-warp programs for
-    :data:`WARPS_PER_SM` warps per SM, at most :data:`MAX_SPLITS`, and at least
-    :data:`MIN_TILES_PER_SPLIT` tiles of ``blocks_per_iter`` blocks of the capacity
-    ``n_blocks`` per split.
+    """Splits per (batch, kv head): as many as :data:`WAVES` waves of ``num_warps``-warp
+    programs (:data:`RESIDENT_WARPS_PER_SM`) hold with each (batch, kv head)'s buffer program,
+    at most :data:`MAX_SPLITS`, and at least :data:`MIN_TILES_PER_SPLIT` tiles of
+    ``blocks_per_iter`` blocks of the capacity ``n_blocks`` per split.
 
     Depends only on the capacity (not on the stored length), so a captured CUDA graph stays
-    valid as the cache grows. GQA 32/8, 132 SMs, the single-format defaults (one block per
-    iteration, one warp): 66 splits at B=8 × 32K, 127 at B=1 × 128K and at B=1 × 32K.
+    valid as the cache grows. GQA 32/8, 132 SMs, the defaults (one block per iteration, one
+    warp): 32 splits at B=8 × 32K (2112 programs, 2 waves), 127 at B=1 × 128K and at
+    B=1 × 32K (1024 programs, the cap).
     """
-    wanted = triton.cdiv(WARPS_PER_SM // num_warps * sms, batch * kv_heads)
+    wave = max(1, RESIDENT_WARPS_PER_SM // num_warps) * sms
+    wanted = WAVES * wave // (batch * kv_heads) - 1
     tiles = triton.cdiv(n_blocks, blocks_per_iter)
     return max(1, min(wanted, MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
 
