@@ -23,8 +23,8 @@ take ``BPI`` (:attr:`DecodeConfig.blocks_per_iter`) consecutive 64-token blocks 
 (``GLP`` = ``GL`` rounded up to a power of two), each row with its own online-softmax state
 over the tokens of its block slot (the other slots' scores are masked). The default is one
 block per iteration in one-warp programs (:func:`default_warps`): the softmax stays in one
-warp's registers, and many small programs per SM hide each other's latency. ``num_stages`` > 1 prefetches the codes of the next tiles
-into shared memory.
+warp's registers, and many small programs per SM hide each other's latency. ``num_stages``
+> 1 prefetches the codes of the next tiles into shared memory.
 
 Dequantization folded into the scores and the output (per block and channel ``c``:
 ``x = s8·(code·step_c + lo_c)``, the storage arithmetic of :mod:`~qattn_compile.kvcache.flashq`):
@@ -102,7 +102,8 @@ Per-program costs (the first tiles' loads, the row-group merge and the partial's
 partials the merge kernel reads) are paid once per program, so fewer, longer programs win,
 and a partly filled last wave idles SMs. H100, B=8 × 32K, INT4 / 2/4 mix / INT2 (one run):
 1 wave 0.154–0.163 / 0.170–0.173 / 0.130–0.134 ms, 2 waves 0.149 / 0.146 / 0.124, 4 waves
-0.165–0.175 / 0.160–0.162 / 0.142–0.143, 1.3 and 1.5 waves 0.180–0.198 / 0.183–0.207 / 0.152–0.155."""
+0.165–0.175 / 0.160–0.162 / 0.142–0.143, 1.3 and 1.5 waves 0.180–0.198 / 0.183–0.207 /
+0.152–0.155."""
 MIN_TILES_PER_SPLIT = 4
 """A split gets at least this many tiles of the capacity (each program first loads its
 queries and finally merges and stores its state: a few tiles' worth of latency)."""
@@ -138,11 +139,10 @@ class DecodeConfig:
     Triton 3.6, with the code tiles built in the dots' operand layout): 1 block per
     iteration, 2 stages, the warps of :func:`default_warps` (one warp for GQA 32/8 at
     ``Lq = 1``), and the splits of :func:`default_splits` for them (two waves), for every
-    format. At
-    B=8 × 32K, INT2 1 warp × 1 block 0.151 ms against 2 warps × 2 blocks 0.181; INT4 0.183
-    against 0.194; the 2/4 mix (head slot the slowest grid axis) 0.161 against 0.251 for 4
-    warps × 2 blocks; 3 stages 1.2–1.5× slower, capping the registers (``maxnreg`` 200, 168
-    or 128, for more programs per SM) 1.03–1.3× slower.
+    format. At B=8 × 32K (66 splits), INT2 1 warp × 1 block 0.151 ms against 2 warps × 2
+    blocks 0.181; INT4 0.183 against 0.194; the 2/4 mix (head slot the slowest grid axis)
+    0.161 against 0.251 for 4 warps × 2 blocks; 3 stages 1.2–1.5× slower, capping the
+    registers (``maxnreg`` 200, 168 or 128, for more programs per SM) 1.03–1.3× slower.
     """
 
     splits: int | None = None
@@ -167,9 +167,10 @@ class DecodeConfig:
 def _channel_of(col, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Channel of code ``col`` (``(32/BITS)·j + i``: code ``i`` of word ``j`` of a token's packed
     row, in :func:`_load_codes` order), whether it is a real channel (codes past the row's
-    bytes are padding) and its bit field in its byte (subnormal codes carry ``2^(field·BITS)``). Code ``i`` sits at bit ``(i // 2)·BITS + 16·(i % 2)`` of its word, i.e.
-    byte ``4j + pos // 8`` and bit field ``(pos % 8) / BITS`` of the split layout (byte ``n``
-    holds channel ``n + field·D·BITS/8``)."""
+    bytes are padding) and its bit field in its byte (subnormal codes carry
+    ``2^(field·BITS)``). Code ``i`` sits at bit ``(i // 2)·BITS + 16·(i % 2)`` of its word,
+    i.e. byte ``4j + pos // 8`` and bit field ``(pos % 8) / BITS`` of the split layout (byte
+    ``n`` holds channel ``n + field·D·BITS/8``)."""
     PER_WORD: tl.constexpr = 32 // BITS
     ROW_BYTES: tl.constexpr = HEAD_DIM * BITS // 8
     i = col % PER_WORD
@@ -213,8 +214,8 @@ def _field_weight(field, BITS: tl.constexpr, BIASED: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(ptr, rows, stride_t: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                WORDS: tl.constexpr, BIASED: tl.constexpr):
+def _load_codes(ptr, rows, stride_t: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, WORDS: tl.constexpr, BIASED: tl.constexpr):
     """Codes of token rows ``rows`` ``[N]`` as fp16 ``[N, WP, 32/BITS]`` (code ``i`` of word
     ``j``, see :func:`_channel_of`): ``code·2^(field·BITS)·2⁻²⁴`` (subnormal: masked in place
     within its byte, one op per two codes, so a code carries the weight of its bit field) or,
@@ -426,7 +427,8 @@ def _compressed_part(
         # clamped per block, so that Triton sees 64 consecutive rows (one base, constant offsets)
         tok_blk = tl.minimum(tile * BPI + toks // BLOCK_N, n_blocks - 1)
         key_rows = tok_blk * BLOCK_N + toks % BLOCK_N
-        k_step = _row_groups(nk_step.to(tl.float32) * k_weight[None, :], GLP)  # loaded in the previous iteration
+        # this tile's metadata, loaded in the previous iteration
+        k_step = _row_groups(nk_step.to(tl.float32) * k_weight[None, :], GLP)
         k_lo = _row_groups(nk_lo, GLP)
         k_s8 = tl.load(s8_ptr + blk_in)
         bias = tl.sum(q * (k_lo + CENTER * k_step), 1)
