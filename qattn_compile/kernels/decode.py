@@ -402,6 +402,8 @@ def _compressed_part(
     CENTER: tl.constexpr = (1 << (BITS - 1)) if BIASED else 0  # biased codes are code - CENTER
     kch, kch_ok, k_field = _key_channels(BITS, WP, HEAD_DIM)
     ch, ch_ok, v_field = _value_channels(BITS, WP, HEAD_DIM)
+    # folded into the steps below; the CENTER·step terms use the folded steps too, which is
+    # right because CENTER is nonzero only for biased codes, whose weight is 1
     k_weight = _field_weight(k_field, BITS, BIASED)
     v_weight = _field_weight(v_field, BITS, BIASED)
     q, row_ok, hq, qi, slot = _query_rows(q_ptr, sq_b, sq_h, sq_l, b, h, qk_scale, kch, kch_ok, G, LQ, GLP, BPI)
