@@ -14,9 +14,12 @@ Every variant (:data:`variants`: blocks per iteration, code format, stages, warp
 twice the default split count) is first checked against ``reference_decode`` on a small
 cache of the same head layout (which also compiles it), then timed at every shape and
 format. Times are medians of ``triton.testing.do_bench`` over a CUDA-graph replay of one call
-(launch overhead excluded, as a compiled ``reduce-overhead`` decode step sees it); the
-default configuration is also timed eagerly, through the op, and with the bool mask
-transformers passes. GB/s = bytes the kernel must read (codes, per-block step/lo/scale, the
+(the host's launch overhead excluded, as a compiled ``reduce-overhead`` decode step sees it,
+but the graph's own launch, several µs on the GPU, charged to the one call); the default
+configuration and SDPA are also timed in a graph of :data:`STEP_LAYERS` calls over as many
+copies of the cache (per call: a model's decode step, where the graph launch is shared by
+all layers), and the default eagerly, through the op, and with the bool mask transformers
+passes. GB/s = bytes the kernel must read (codes, per-block step/lo/scale, the
 INT8 buffer; the bf16 K/V for SDPA) / time. Accuracy: rel-L1 of the default and the fastest
 variant against the FlashQ reference and against exact attention on the unquantized K/V.
 
@@ -62,6 +65,9 @@ CHECK_MARGIN = 1e-3
 """A variant whose rel-L1 against ``reference_decode`` on the check cache exceeds the error of
 rounding the reference to the output dtype (bf16: ~1.4e-3) by more than this is reported as
 failing (and still timed)."""
+STEP_LAYERS = 8
+"""Calls of the in-step timing (:func:`_bench_step`): one per layer, each over its own copy
+of the cache."""
 TIME_BUDGET_S = 170.0
 """Variants left when this much time has passed are skipped (and listed as skipped)."""
 
@@ -108,6 +114,23 @@ def _bench(fn) -> float:
 def _bench_graph(fn) -> float:
     """Median ms of CUDA-graph replays of ``fn`` (:func:`~qattn_compile.kernels.autotune.time_call`)."""
     return autotune.time_call(fn, torch.device(DEVICE))
+
+
+def _bench_step(calls) -> float:
+    """Median ms per call of a CUDA graph that replays ``calls`` back to back: a decode step's
+    attention calls, one per layer over that layer's own cache, so no call finds another's
+    data in L2, and the graph's launch cost is shared among them as in a model's captured
+    step. :func:`_bench_graph` captures one call per graph and so charges the whole graph
+    launch to it."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median")
+    return ms / len(calls)
 
 
 def _storage_bytes_read(t: flashq.FlashQTensors, length: int) -> int:
@@ -171,10 +194,19 @@ def _sdpa_entries(q, k, v) -> dict:
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
+        def layer_call(k, v, backend=backend):
+            def call():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            return call
+
         try:
             ms = _bench(run)
             graph_ms = _bench_graph(run)
-            out[name] = {"ms": ms, "graph_ms": graph_ms, "GBps": nbytes / graph_ms / 1e6}
+            copies = [(k.clone(), v.clone()) for _ in range(STEP_LAYERS)]
+            step_ms = _bench_step([layer_call(*kv) for kv in copies])
+            del copies
+            out[name] = {"ms": ms, "graph_ms": graph_ms, "GBps": nbytes / graph_ms / 1e6, "step_ms": step_ms}
         except Exception as exc:  # a backend that refuses these inputs
             out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     return out
@@ -213,6 +245,8 @@ def _time_format(k, v, q, int2: int, exact, best_sdpa: float, names, deadline: f
     entry["default_eager_ms"] = _bench(lambda: flashq_decode_triton(q, t, None, None))
     entry["default_op_ms"] = _bench(lambda: torch.ops.qattn.flashq_decode(q, *t, None, None))
     entry["default_bool_mask_graph_ms"] = _bench_graph(lambda: flashq_decode_triton(q, t, mask, None))
+    layers = [t] + [_layer(k, v, int2).tensors() for _ in range(STEP_LAYERS - 1)]
+    entry["default_step_ms"] = _bench_step([lambda t=t: flashq_decode_triton(q, t, None, None) for t in layers])
     return entry
 
 
@@ -311,6 +345,11 @@ def summary(report: dict) -> str:
                 mark = "*" if entry.get("best") == name else " "
                 row.append(f" | {v['graph_ms']:7.4f}{mark}{v['GBps']:6.0f} {v['speedup_vs_sdpa']:5.2f}x")
             lines.append(f"  {name:<14} {splits!s:>6}" + "".join(row))
+        step_sdpa = min((e["step_ms"] for e in shape["sdpa_bf16"].values() if "step_ms" in e), default=math.nan)
+        lines.append(f"  in a graph of {STEP_LAYERS} layers' calls, ms per call: "
+                     + ", ".join(f"sdpa {n} {e['step_ms']:.4f}" for n, e in shape["sdpa_bf16"].items() if "step_ms" in e)
+                     + "".join(f"; {label} {e['default_step_ms']:.4f} ({step_sdpa / e['default_step_ms']:.2f}x)"
+                               for label, e in shape["flashq"].items() if "default_step_ms" in e))
         for label, entry in shape["flashq"].items():
             if "best" not in entry:
                 lines.append(f"  {label}: not timed (time budget)")

@@ -322,17 +322,17 @@ def _kernel_error(layer, q, attn_mask=None, scale=0.2, **config):
 
 @_INTERP
 @pytest.mark.parametrize(
-    "b, h, group, d, length, steps, int2_heads, lq, mask",
+    "b, h, group, d, length, steps, int2_heads, lq, mask, splits",
     [
-        (2, 2, 2, 16, 150, 3, 1, 1, None),  # GQA, INT4 + INT2 heads, buffer partly full
-        (1, 2, 4, 48, 64, 2, 0, 2, "bool"),  # head dim padded to 64, two queries, padding mask
-        (1, 2, 1, 32, 200, 0, 2, 1, "additive"),  # all INT2, additive mask
-        (1, 2, 4, 20, 140, 1, 1, 1, None),  # packed rows not whole int32 words: byte loads
-        (1, 2, 2, 32, 130, 2, 1, 3, "bool"),  # 6 query rows per kv head, padded to 8
-        (1, 2, 4, 128, 140, 1, 1, 1, None),  # D=128: the word-to-lane layouts of the benchmarks
+        (2, 2, 2, 16, 150, 3, 1, 1, None, 2),  # GQA, INT4 + INT2 heads, buffer partly full
+        (1, 2, 4, 48, 64, 2, 0, 2, "bool", 2),  # head dim padded to 64, two queries, padding mask
+        (1, 2, 1, 32, 200, 0, 2, 1, "additive", 3),  # all INT2, additive mask; 3 of 4 merge slots
+        (1, 2, 4, 20, 140, 1, 1, 1, None, 2),  # packed rows not whole int32 words: byte loads
+        (1, 2, 2, 32, 130, 2, 1, 3, "bool", 2),  # 6 query rows per kv head, padded to 8
+        (1, 2, 4, 128, 140, 1, 1, 1, None, 2),  # D=128: the word-to-lane layouts of the benchmarks
     ],
 )
-def test_decode_kernel_matches_reference_in_interpreter(b, h, group, d, length, steps, int2_heads, lq, mask):
+def test_decode_kernel_matches_reference_in_interpreter(b, h, group, d, length, steps, int2_heads, lq, mask, splits):
     layer, _, _ = _filled_layer(b, h, length, d, int2_heads, steps, capacity=320)
     q = torch.randn(b, h * group, lq, d, dtype=torch.float16)
     attn_mask = None
@@ -340,7 +340,7 @@ def test_decode_kernel_matches_reference_in_interpreter(b, h, group, d, length, 
         attn_mask = torch.rand(b, 1, lq, 320) > 0.3
     elif mask == "additive":
         attn_mask = torch.randn(b, h * group, lq, 320)
-    assert _kernel_error(layer, q, attn_mask, splits=2) < 2e-3
+    assert _kernel_error(layer, q, attn_mask, splits=splits) < 2e-3
 
 
 @_INTERP
@@ -398,6 +398,7 @@ def test_default_splits_and_config_validation():
     assert default_splits(8, 8, blocks_32k, 2, 2) == 15  # 4 two-warp programs per SM: 64·16 = 2·4·132 - 32
     assert default_splits(8, 8, blocks_32k, 2, 4) == 7  # 2 four-warp programs per SM
     assert default_splits(1, 8, blocks_128k, 1, 1) == MAX_SPLITS
+    assert default_splits(1, 8, blocks_32k, 1, 1) == MAX_SPLITS == 128  # 512 tiles: 4 per split, none 5
     assert default_splits(1, 8, blocks_32k, 2, 2) == 64  # at least 4 tiles of 2 blocks per split
     assert default_splits(64, 8, blocks_32k, 2, 2) == 1  # more (batch, kv head)s than a wave: one split
     assert default_splits(1, 1, 3, 2, 2) == 1  # short caches: one split

@@ -68,13 +68,14 @@ sees 64 consecutive rows, and the packed row stride is a compile-time constant.
 Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metadata for K and
 as much for V (136), INT2 72, against 512 for a bf16 cache. Measured (H100, torch 2.11,
 Triton 3.6, CUDA graphs, GQA 32/8) against SDPA cuDNN on a bf16 cache (0.364 ms at B=8 × 32K,
-0.193 at B=1 × 128K, 0.064 at B=1 × 32K): INT4 0.149–0.159 ms (2.3–2.4×; ~1.8 TB/s of the
-0.29 GB it reads), 0.086 (2.2×) and 0.036 (1.8×); INT2 0.124–0.129 (2.8–2.9×), 0.072 (2.7×)
-and 0.030 (2.1×); the 2/4 mix 0.146–0.148 (2.5×), 0.093 (2.1×) and 0.037 (1.7×). The
-kernel still reads its bytes well below HBM's rate: it is bound by instructions and latency
-(~1700 warp instructions per 64-token block, sm_90 SASS; 8 resident warps per SM, each
-issuing every ~4.6 cycles, most often waiting on a global load), not by memory
-(benchmarks/NOTES.md).
+0.193 at B=1 × 128K, 0.064 at B=1 × 32K; one call per graph): INT4 0.149–0.160 ms (2.3–2.4×;
+~1.8 TB/s of the 0.29 GB it reads), 0.090 (2.1×) and 0.0345 (1.85×); INT2 0.124–0.128
+(2.85×), 0.070 (2.75×) and 0.028 (2.3×); the 2/4 mix 0.146–0.148 (2.5×), 0.092 (2.1×) and
+0.035 (1.84×). At B=1 × 32K the decode kernel takes ~21 µs (4 tiles of ~4.6 µs per
+program), the merge ~3 µs, the rest is the graph's launch. The kernel still reads its bytes
+well below HBM's rate: it is bound by instructions and latency (~1700 warp instructions per
+64-token block, sm_90 SASS; 8 resident warps per SM, each issuing every ~4.6 cycles, most
+often waiting on a global load), not by memory (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ and a partly filled last wave idles SMs. H100, B=8 × 32K, INT4 / 2/4 mix / INT2
 MIN_TILES_PER_SPLIT = 4
 """A split gets at least this many tiles of the capacity (each program first loads its
 queries and finally merges and stores its state: a few tiles' worth of latency)."""
-MAX_SPLITS = 127
-"""With the buffer's program, at most 128 partials per (batch, kv head), which the merge
-loads at once."""
+MAX_SPLITS = 128
+"""Split partials per (batch, kv head), all of which the merge loads at once (beside the
+buffer's). A power of two: a 32K cache of 64-token tiles (512) then splits into 4 tiles each,
+where 127 splits gave four of them 5, and a one-wave grid lasts as long as its longest
+program (H100, B=1 × 32K: decode kernel 22.6 → 20.8 µs INT4, 18.8 → 16.4 µs INT2)."""
 _DEFAULT_SMS = 132  # H100 SXM; what the heuristic assumes for tensors not on a CUDA device
 BUFFER_N = tl.constexpr(16)
 """INT8 buffer tokens per row group and loop iteration (small: the buffer part's registers
@@ -587,29 +590,36 @@ def _combine_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, so_b, so_h, so_l,
     n_heads, n_parts,
     HEAD_DIM: tl.constexpr, DO: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr, GLP: tl.constexpr,
-    PARTS: tl.constexpr, COLS: tl.constexpr,
+    SPLITS: tl.constexpr, COLS: tl.constexpr,
 ):
     """Merge the ``n_parts`` partials of (kv head ``program_id(0)``, batch ``program_id(1)``)
     for channels ``[COLS·program_id(2), +COLS)``: ``part_o`` ``[B, H, n_parts, GLP, DO]``,
     ``part_ml`` ``[B, H, n_parts, GLP, 2]`` into ``out`` ``[B, Hq, Lq, D]``; a row no partial
-    saw a visible key for gets 0. ``PARTS`` (>= ``n_parts``, a power of two): all partials are
-    loaded at once, so the merge costs one memory latency however many splits there are."""
+    saw a visible key for gets 0. The ``n_parts - 1`` split partials are loaded at once
+    (``SPLITS`` >= their count, a power of two) and the buffer's, the last, beside them, so
+    the merge costs one memory latency however many splits there are."""
     h = tl.program_id(0)
     b = tl.program_id(1)
-    parts = tl.arange(0, PARTS)
+    parts = tl.arange(0, SPLITS)
     rows = tl.arange(0, GLP)
     cols = tl.program_id(2) * COLS + tl.arange(0, COLS)
-    part = (b * n_heads + h) * n_parts + parts
-    ok = (parts < n_parts)[:, None]
-    ml = part_ml_ptr + (part[:, None] * GLP + rows[None, :]) * 2
-    m_p = tl.load(ml, mask=ok, other=float("-inf"))
-    m = tl.max(m_p, 0)
-    w = tl.exp2(m_p - tl.where(m == float("-inf"), 0.0, m)[None, :])  # [PARTS, GLP]
-    l = tl.sum(w * tl.load(ml + 1, mask=ok, other=0.0), 0)
-    o_ptr = part_o_ptr + (part[:, None, None] * GLP + rows[None, :, None]) * DO + cols[None, None, :]
+    first = (b * n_heads + h) * n_parts
+    part = first + parts
+    ok = (parts < n_parts - 1)[:, None]
     col_ok = (cols < HEAD_DIM)[None, :]
+    ml = part_ml_ptr + (part[:, None] * GLP + rows[None, :]) * 2
+    ml_buf = part_ml_ptr + ((first + n_parts - 1) * GLP + rows) * 2
+    m_p = tl.load(ml, mask=ok, other=float("-inf"))  # [SPLITS, GLP]
+    m_buf = tl.load(ml_buf)  # [GLP]
+    m = tl.maximum(tl.max(m_p, 0), m_buf)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_p - m_safe[None, :])
+    w_buf = tl.exp2(m_buf - m_safe)
+    l = tl.sum(w * tl.load(ml + 1, mask=ok, other=0.0), 0) + w_buf * tl.load(ml_buf + 1)
+    o_ptr = part_o_ptr + (part[:, None, None] * GLP + rows[None, :, None]) * DO + cols[None, None, :]
     o = tl.load(o_ptr, mask=ok[:, :, None] & col_ok[None, :, :], other=0.0)
-    acc = tl.sum(o * w[:, :, None], 0)
+    o_buf = tl.load(part_o_ptr + ((first + n_parts - 1) * GLP + rows[:, None]) * DO + cols[None, :], mask=col_ok, other=0.0)
+    acc = tl.sum(o * w[:, :, None], 0) + o_buf * w_buf[:, None]
     out = tl.where((l > 0)[:, None], acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
     g = rows // LQ
     qi = rows % LQ
@@ -629,8 +639,8 @@ def default_splits(batch: int, kv_heads: int, n_blocks: int, blocks_per_iter: in
 
     Depends only on the capacity (not on the stored length), so a captured CUDA graph stays
     valid as the cache grows. GQA 32/8, 132 SMs, the defaults (one block per iteration, one
-    warp): 32 splits at B=8 × 32K (2112 programs, 2 waves), 127 at B=1 × 128K and at
-    B=1 × 32K (1024 programs, the cap).
+    warp): 32 splits at B=8 × 32K (2112 programs, 2 waves), 128 at B=1 × 128K and at
+    B=1 × 32K (1032 programs, the cap).
     """
     wave = max(1, RESIDENT_WARPS_PER_SM // num_warps) * sms
     wanted = WAVES * wave // (batch * kv_heads) - 1
@@ -735,11 +745,11 @@ def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: f
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     out = torch.empty(b, hq, lq, d, dtype=q.dtype, device=q.device)
-    parts_p2 = triton.next_power_of_2(parts)
-    cols = max(1, min(d_out, _COMBINE_TILE // (parts_p2 * glp)))
+    splits_p2 = triton.next_power_of_2(splits)
+    cols = max(1, min(d_out, _COMBINE_TILE // (splits_p2 * glp)))
     _combine_kernel[(h, b, d_out // cols)](
         part_o, part_ml, out, out.stride(0), out.stride(1), out.stride(2),
         h, parts,
-        HEAD_DIM=d, DO=d_out, G=group, LQ=lq, GLP=glp, PARTS=parts_p2, COLS=cols, num_warps=4,
+        HEAD_DIM=d, DO=d_out, G=group, LQ=lq, GLP=glp, SPLITS=splits_p2, COLS=cols, num_warps=4,
     )
     return out
