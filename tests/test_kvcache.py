@@ -387,6 +387,24 @@ def test_decode_kernel_buffer_only_wide_and_empty_buffers(length, buffer_tokens)
     assert _kernel_error(layer, q, blocks_per_iter=2) < 2e-3
 
 
+@_INTERP
+@pytest.mark.parametrize("late", [True, False])
+def test_decode_kernel_score_max_jumps_between_tiles(late):
+    """One program walks 5 compressed blocks (``splits=1``). At scale 2 the row maxima (log2
+    units) jump by tens between blocks, and one token aligned with a query gives its row the
+    largest score, in the first or in the last block: the kernel must rescale its state
+    mid-loop. With the accumulator's rescale removed, both cases fail."""
+    torch.manual_seed(3)
+    b, h, group, d, length = 1, 2, 2, 32, 5 * KV_CACHE_BLOCK + 10
+    k, v = _kv(b, h, length, d)
+    q = torch.randn(b, h * group, 1, d, dtype=torch.float16)
+    token = 4 * KV_CACHE_BLOCK + 7 if late else 5
+    k[:, :, token] = 6.0 * q[:, ::group, 0].float() / q[:, ::group, 0].float().norm(dim=-1, keepdim=True)
+    layer = FlashQLayer(8 * KV_CACHE_BLOCK, int2_heads=1)
+    layer.append(k, v)
+    assert _kernel_error(layer, q, None, 2.0, splits=1) < 2e-3
+
+
 def test_default_splits_and_config_validation():
     from qattn_compile.kernels.decode import (
         MAX_SPLITS, DecodeConfig, default_splits, default_warps,
