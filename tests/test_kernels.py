@@ -214,6 +214,21 @@ def test_lowered_int8_quantizer_matches_the_kernel(group):
     assert torch.equal(got_data[..., :45], want.data[..., :45]) and not got_data[..., 45:].any()
 
 
+@pytest.mark.parametrize("length, padded", [(64, 64), (45, 48)])
+def test_lowered_transposed_values_keep_the_kernels_layout(length, padded):
+    """Under tracing (fake tensors, as inside torch.compile) the torch-form INT8 V is laid out
+    as the quantizer kernel writes it, ``[B, H, D, L_pad]`` with tokens contiguous, also when
+    the length needs no padding (pad then kept the transposed view's strides, and the
+    attention kernel fell back from TMA to pointer loads), and for a projection output
+    stored ``[B, L, H, D]``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, length, 3, 40).transpose(1, 2)
+        data = kq.quantize_int(x, length, 8, transpose=True).data
+        assert data.shape == (2, 3, 40, padded) and data.is_contiguous(), data.stride()
+
+
 def test_lowered_means_match_the_kernels():
     q, k, _ = make_qkv(hq=4, hkv=2, lq=300, lkv=70, d=48, dtype=torch.float32, k_outliers=True)
     for x, group in ((k, None), (q, SMOOTH_Q_BLOCK)):

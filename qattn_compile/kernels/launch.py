@@ -274,6 +274,10 @@ def _launch(
         m_strides, s_strides = mask.values.stride(), mask.summary.stride()
         t_strides, c_strides = mask.tiles.stride(), mask.counts.stride()
     use_tma = cfg.tma and tma_compatible(ops.k, ops.v)
+    if cfg.tma and not use_tma:
+        logger.debug("qattn kernel: K %s / V %s strides (storage offsets %s, %s) not TMA-addressable; "
+                     "pointer loads instead", tuple(ops.k.stride()), tuple(ops.v.stride()),
+                     ops.k.storage_offset(), ops.v.storage_offset())
     if use_tma and not exact:
         ensure_tma_allocator()
     c0, c1, c2, c3 = SAS_POLY

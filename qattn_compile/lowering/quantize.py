@@ -56,7 +56,9 @@ def quantize_int8(
         values = values - smooth.expand_blocks(mean, mean_group or length, length)
     data, scale = quant.quantize_int(values, group, 8, amax=amax)
     if transposed_length is not None:
-        data = F.pad(data.transpose(-1, -2), (0, transposed_length - length))
+        # contiguous: with no padding to add, pad keeps the transposed view's strides, which
+        # TMA cannot address (the attention kernel then falls back to pointer loads)
+        data = F.pad(data.transpose(-1, -2), (0, transposed_length - length)).contiguous()
     return data, scale * scale_mul
 
 
