@@ -345,9 +345,10 @@ def summary(report: dict) -> str:
                 mark = "*" if entry.get("best") == name else " "
                 row.append(f" | {v['graph_ms']:7.4f}{mark}{v['GBps']:6.0f} {v['speedup_vs_sdpa']:5.2f}x")
             lines.append(f"  {name:<14} {splits!s:>6}" + "".join(row))
-        step_sdpa = min((e["step_ms"] for e in shape["sdpa_bf16"].values() if "step_ms" in e), default=math.nan)
+        sdpa_steps = {n: e["step_ms"] for n, e in shape["sdpa_bf16"].items() if "step_ms" in e}
+        step_sdpa = min(sdpa_steps.values(), default=math.nan)
         lines.append(f"  in a graph of {STEP_LAYERS} layers' calls, ms per call: "
-                     + ", ".join(f"sdpa {n} {e['step_ms']:.4f}" for n, e in shape["sdpa_bf16"].items() if "step_ms" in e)
+                     + ", ".join(f"sdpa {n} {ms:.4f}" for n, ms in sdpa_steps.items())
                      + "".join(f"; {label} {e['default_step_ms']:.4f} ({step_sdpa / e['default_step_ms']:.2f}x)"
                                for label, e in shape["flashq"].items() if "default_step_ms" in e))
         for label, entry in shape["flashq"].items():

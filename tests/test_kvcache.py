@@ -426,18 +426,24 @@ def test_default_splits_and_config_validation():
             DecodeConfig(**bad)
 
 
-def test_decode_benchmark_variants_resolve_their_split_counts():
-    """benchmarks/decode.py: an integer split count is launched as given, ``half``/``double``
-    relative to the default (an integer count was once dropped, timing the default twice)."""
+def _decode_benchmark():
+    """benchmarks/decode.py as a module."""
     import importlib.util
     from pathlib import Path
-
-    from qattn_compile.kernels.decode import resolve, DecodeConfig
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
     spec = importlib.util.spec_from_file_location("decode_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_decode_benchmark_variants_resolve_their_split_counts():
+    """benchmarks/decode.py: an integer split count is launched as given, ``half``/``double``
+    relative to the default (an integer count was once dropped, timing the default twice)."""
+    from qattn_compile.kernels.decode import resolve, DecodeConfig
+
+    bench = _decode_benchmark()
     layer, _, _ = _filled_layer(1, 2, 1300, 32, 1, 0, capacity=1400)
     q = torch.randn(1, 8, 1, 32, dtype=torch.float16)
     t = layer.tensors()
@@ -446,6 +452,25 @@ def test_decode_benchmark_variants_resolve_their_split_counts():
     assert bench._config({"splits": 3}, q, t).splits == 3
     assert bench._config({"splits": "half"}, q, t).splits == default // 2
     assert bench._config({}, q, t).splits == default
+
+
+def test_decode_benchmark_summary_prints_the_in_step_timings():
+    """benchmarks/decode.py's table from a report shaped as it writes one (a backend that
+    failed, the in-step timings): the speed-up in a step is over the faster SDPA's step."""
+    bench = _decode_benchmark()
+    variant = {"config": {"splits": 128}, "graph_ms": 0.5, "GBps": 2.0, "speedup_vs_sdpa": 2.0,
+               "kernel_vs_reference": {"rel_l1": 1e-3}, "vs_exact_unquantized": {"rel_l1": 0.1}}
+    flashq_entry = {"bytes": 1e6, "variants": {"default": variant}, "best": "default",
+                    "reference_vs_exact_unquantized": {"rel_l1": 0.1}, "default_eager_ms": 1.0,
+                    "default_op_ms": 1.0, "default_bool_mask_graph_ms": 1.0, "default_step_ms": 0.3}
+    shape = {"shape": {"batch": 1, "context": 32768, "heads": 32, "kv_heads": 8, "dim": 128},
+             "sdpa_bf16": {"flash": {"graph_ms": 1.0, "GBps": 1.0, "step_ms": 0.9},
+                           "cudnn": {"graph_ms": 0.8, "GBps": 1.0, "step_ms": 0.6}, "other": {"error": "refused"}},
+             "sdpa_bytes": 1e6, "flashq": {"int4": flashq_entry}}
+    report = {"device": "test", "versions": {}, "variants": {"default": {}}, "shapes": [shape],
+              "check": {"bf16 rounding": {"int4": 1e-3}, "default": {"int4": 1e-3}}}
+    text = bench.summary(report)
+    assert "sdpa flash 0.9000, sdpa cudnn 0.6000; int4 0.3000 (2.00x)" in text
 
 
 # ------------------------------------------------------------------------------------------

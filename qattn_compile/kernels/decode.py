@@ -608,7 +608,8 @@ def _combine_kernel(
     ok = (parts < n_parts - 1)[:, None]
     col_ok = (cols < HEAD_DIM)[None, :]
     ml = part_ml_ptr + (part[:, None] * GLP + rows[None, :]) * 2
-    ml_buf = part_ml_ptr + ((first + n_parts - 1) * GLP + rows) * 2
+    buf_rows = (first + n_parts - 1) * GLP + rows  # the buffer's partial, the last
+    ml_buf = part_ml_ptr + buf_rows * 2
     m_p = tl.load(ml, mask=ok, other=float("-inf"))  # [SPLITS, GLP]
     m_buf = tl.load(ml_buf)  # [GLP]
     m = tl.maximum(tl.max(m_p, 0), m_buf)
@@ -618,7 +619,7 @@ def _combine_kernel(
     l = tl.sum(w * tl.load(ml + 1, mask=ok, other=0.0), 0) + w_buf * tl.load(ml_buf + 1)
     o_ptr = part_o_ptr + (part[:, None, None] * GLP + rows[None, :, None]) * DO + cols[None, None, :]
     o = tl.load(o_ptr, mask=ok[:, :, None] & col_ok[None, :, :], other=0.0)
-    o_buf = tl.load(part_o_ptr + ((first + n_parts - 1) * GLP + rows[:, None]) * DO + cols[None, :], mask=col_ok, other=0.0)
+    o_buf = tl.load(part_o_ptr + buf_rows[:, None] * DO + cols[None, :], mask=col_ok, other=0.0)
     acc = tl.sum(o * w[:, :, None], 0) + o_buf * w_buf[:, None]
     out = tl.where((l > 0)[:, None], acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
     g = rows // LQ
