@@ -82,7 +82,7 @@ def variants(sweep: bool) -> list[tuple[str, dict]]:
             ("bpi2_warps2", {"blocks_per_iter": 2, "num_warps": 2}),
             ("bpi4", {"blocks_per_iter": 4}),
             ("biased", {"codes": "biased"}),
-            ("stages3", {"num_stages": 3}),
+            ("stages2", {"num_stages": 2}),
             ("warps2", {"num_warps": 2}),
             ("warps4", {"num_warps": 4}),
             ("splits_half", {"splits": "half"}),

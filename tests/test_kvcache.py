@@ -367,6 +367,17 @@ def test_decode_kernel_metadata_prefetch_edges(blocks_per_iter, d):
 
 
 @_INTERP
+@pytest.mark.parametrize("splits", [3, 40])
+def test_decode_kernel_carried_key_words(splits):
+    """An INT4-only cache at D=128 (rows of 16 words) carries each next tile's key words in
+    registers: splits of several tiles, the last of which requests none, and more splits than
+    tiles (a split without a tile loads none)."""
+    layer, _, _ = _filled_layer(1, 2, 490, 128, 0, 3, capacity=640)
+    q = torch.randn(1, 8, 1, 128, dtype=torch.float16)
+    assert _kernel_error(layer, q, None, None, splits=splits) < 2e-3
+
+
+@_INTERP
 @pytest.mark.parametrize("splits", [1, 5, 40])
 @pytest.mark.parametrize("int2_heads", [0, 2])
 def test_decode_kernel_splits_and_single_format_caches(splits, int2_heads):

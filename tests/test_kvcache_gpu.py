@@ -54,7 +54,7 @@ def test_decode_kernel_matches_reference(b, h, group, d, length, steps, int2_hea
 
 _VARIANTS = [
     {"blocks_per_iter": 1}, {"blocks_per_iter": 2}, {"blocks_per_iter": 4}, {"codes": "biased"},
-    {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 2}, {"num_warps": 4},
+    {"num_stages": 2}, {"num_stages": 3}, {"num_warps": 2}, {"num_warps": 4},
     {"blocks_per_iter": 4, "num_warps": 8}, {"blocks_per_iter": 2, "num_warps": 2}, {"splits": 1}, {"splits": 127}, {"splits": 128},
 ]
 

@@ -23,8 +23,10 @@ take ``BPI`` (:attr:`DecodeConfig.blocks_per_iter`) consecutive 64-token blocks 
 (``GLP`` = ``GL`` rounded up to a power of two), each row with its own online-softmax state
 over the tokens of its block slot (the other slots' scores are masked). The default is one
 block per iteration in one-warp programs (:func:`default_warps`): the softmax stays in one
-warp's registers, and many small programs per SM hide each other's latency. ``num_stages``
-> 1 prefetches the codes of the next tiles into shared memory.
+warp's registers, and many small programs per SM hide each other's latency. The codes are
+loaded straight into registers (``num_stages = 1``); ``num_stages`` > 1 lets Triton copy the
+codes of later tiles into shared memory asynchronously instead, which measured slower
+(:class:`DecodeConfig`).
 
 Dequantization folded into the scores and the output (per block and channel ``c``:
 ``x = s8·(code·step_c + lo_c)``, the storage arithmetic of :mod:`~qattn_compile.kvcache.flashq`):
@@ -135,24 +137,27 @@ class DecodeConfig:
     - ``blocks_per_iter``: 64-token blocks per loop iteration (1, 2 or 4), one row group
       each (module docstring); lowered so that a program has at most :data:`MAX_ROWS` rows.
     - ``codes``: one of :data:`CODE_FORMATS`.
-    - ``num_warps``, ``num_stages``: Triton's (stages > 1 prefetch the codes of later tiles
-      into shared memory); ``num_warps=None`` picks :func:`default_warps`.
+    - ``num_warps``, ``num_stages``: Triton's (stages > 1: asynchronous copies of the codes
+      of later tiles into shared memory); ``num_warps=None`` picks :func:`default_warps`.
 
     The defaults are the fastest of the H100 sweeps (``benchmarks/decode.py --sweep``,
     Triton 3.6, with the code tiles built in the dots' operand layout): 1 block per
-    iteration, 2 stages, the warps of :func:`default_warps` (one warp for GQA 32/8 at
+    iteration, 1 stage, the warps of :func:`default_warps` (one warp for GQA 32/8 at
     ``Lq = 1``), and the splits of :func:`default_splits` for them (two waves), for every
     format. At B=8 × 32K (66 splits), INT2 1 warp × 1 block 0.151 ms against 2 warps × 2
     blocks 0.181; INT4 0.183 against 0.194; the 2/4 mix (head slot the slowest grid axis)
-    0.161 against 0.251 for 4 warps × 2 blocks; 3 stages 1.2–1.5× slower, capping the
-    registers (``maxnreg`` 200, 168 or 128, for more programs per SM) 1.03–1.3× slower.
+    0.161 against 0.251 for 4 warps × 2 blocks; capping the registers (``maxnreg`` 200, 168
+    or 128, for more programs per SM) 1.03–1.3× slower. Stages, in one run at B=1 × 32K
+    (INT4 / mix / INT2, one call per graph): 1 stage 0.0334 / 0.0302 / 0.0259 ms, 2 stages
+    0.0347 / 0.0352 / 0.0288 (the value codes then cross shared memory in 4-byte async
+    copies, and the kernel holds 255 registers instead of 208–242); 3 stages slower still.
     """
 
     splits: int | None = None
     blocks_per_iter: int = 1
     codes: str = "subnormal"
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int = 1
 
     def __post_init__(self):
         if self.blocks_per_iter not in (1, 2, 4):
@@ -217,12 +222,10 @@ def _field_weight(field, BITS: tl.constexpr, BIASED: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(ptr, rows, stride_t: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
-                HEAD_DIM: tl.constexpr, WORDS: tl.constexpr, BIASED: tl.constexpr):
-    """Codes of token rows ``rows`` ``[N]`` as fp16 ``[N, WP, 32/BITS]`` (code ``i`` of word
-    ``j``, see :func:`_channel_of`): ``code·2^(field·BITS)·2⁻²⁴`` (subnormal: masked in place
-    within its byte, one op per two codes, so a code carries the weight of its bit field) or,
-    ``BIASED``, ``code - 2^(BITS-1)``. Padding columns hold code 0.
+def _load_words(ptr, rows, live, stride_t: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, WORDS: tl.constexpr):
+    """Packed rows ``rows`` ``[N]`` as int32 words ``[N, WP]`` (words past a row's bytes are 0;
+    all 0 and nothing read unless the scalar ``live`` is 1).
 
     ``ptr`` points at packed rows of ``HEAD_DIM·BITS/8`` bytes, ``stride_t`` bytes apart.
     ``WORDS``: rows are whole, 4-byte aligned int32 words (one vector load per thread);
@@ -230,18 +233,28 @@ def _load_codes(ptr, rows, stride_t: tl.constexpr, BITS: tl.constexpr, WP: tl.co
     """
     ROW_BYTES: tl.constexpr = HEAD_DIM * BITS // 8
     j = tl.arange(0, WP)
+    ok = (rows * 0)[:, None] + (j * 0)[None, :] < live  # [N, WP]: the interpreter broadcasts no scalar mask
     if WORDS:
         words = ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_t // 4) + j[None, :]
         if WP * 4 == ROW_BYTES:
-            w = tl.load(words)
+            w = tl.load(words, mask=ok, other=0)
         else:
-            w = tl.load(words, mask=(j < ROW_BYTES // 4)[None, :], other=0)
+            w = tl.load(words, mask=ok & (j < ROW_BYTES // 4)[None, :], other=0)
     else:
         base = ptr + rows[:, None] * stride_t + 4 * j[None, :]
         w = tl.zeros([rows.shape[0], WP], tl.int32)
         for k in tl.static_range(4):
-            byte = tl.load(base + k, mask=(4 * j + k < ROW_BYTES)[None, :], other=0)
+            byte = tl.load(base + k, mask=ok & (4 * j + k < ROW_BYTES)[None, :], other=0)
             w = w | (byte.to(tl.int32) << (8 * k))
+    return w
+
+
+@triton.jit
+def _unpack_codes(w, BITS: tl.constexpr, BIASED: tl.constexpr):
+    """Words ``w`` ``[N, WP]`` (:func:`_load_words`) as fp16 codes ``[N, WP, 32/BITS]`` (code ``i``
+    of word ``j``, see :func:`_channel_of`): ``code·2^(field·BITS)·2⁻²⁴`` (subnormal: masked in
+    place within its byte, one op per two codes, so a code carries the weight of its bit field)
+    or, ``BIASED``, ``code - 2^(BITS-1)``. Padding columns hold code 0."""
     # bit positions in column order: (i // 2)·BITS for i = 0, 2, 4, ...; the halves follow below
     if BIASED:  # codes shifted down to bit 0, exact once the exponent is or-ed in
         if BITS == 4:
@@ -265,7 +278,7 @@ def _load_codes(ptr, rows, stride_t: tl.constexpr, BITS: tl.constexpr, WP: tl.co
     if BIASED:
         p = p | 0x64006400  # fp16 1024 + code in each half
     half = tl.join(p, p >> 16).to(tl.int16)
-    codes = tl.reshape(half, [rows.shape[0], WP, 32 // BITS]).to(tl.float16, bitcast=True)
+    codes = tl.reshape(half, [w.shape[0], w.shape[1], 32 // BITS]).to(tl.float16, bitcast=True)
     if BIASED:
         codes = codes - (1024.0 + (1 << (BITS - 1)))  # code - 8 (INT4) / code - 2 (INT2)
     return codes
@@ -329,6 +342,15 @@ def _load_meta(ptr, tile, n_blocks, m_blk, ch, ch_ok, BPI: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(tile, toks, n_blocks, BPI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Token rows ``[BPI·BLOCK_N]`` of tile ``tile``'s codes. Clamped per block (a ragged last
+    tile, or the tile after the last, re-reads the last block; none: block 0), so that Triton
+    sees 64 consecutive rows (one base, constant offsets)."""
+    blk = tl.minimum(tile * BPI + toks // BLOCK_N, tl.maximum(n_blocks - 1, 0))
+    return blk * BLOCK_N + toks % BLOCK_N
+
+
+@triton.jit
 def _visible(s, keys, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND: tl.constexpr):
     """Scores ``s`` ``[M, N]`` (log2 units) of keys ``keys`` ``[N]`` for queries at positions
     ``qpos`` ``[M]``: causal, then the user mask; invisible → -inf."""
@@ -383,7 +405,7 @@ def _compressed_part(
     b, h, split, n_splits, length, compressed,
     BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr,
     GLP: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-    WORDS: tl.constexpr, BIASED: tl.constexpr,
+    WORDS: tl.constexpr, BIASED: tl.constexpr, CARRY_KEYS: tl.constexpr,
 ):
     """Online-softmax state of split ``split`` of the compressed blocks of (batch ``b``, kv
     head ``h``), row layout of :func:`_query_rows`, columns in code order.
@@ -398,6 +420,11 @@ def _compressed_part(
     not pipeline these loads (one byte per thread, narrower than an async copy), and loaded
     where they are used, their latency was exposed twice per tile (H100: 0.274 → 0.253 ms at
     B=8 × 32K INT4, 0.336 → 0.244 INT2, whose register count also drops to 3 programs/SM).
+
+    The codes are loaded into registers where the tile starts (keys) and after its softmax
+    (values), except that ``CARRY_KEYS`` requests the next tile's key words right after this
+    tile's score dot and carries them to the next iteration, so their latency hides behind
+    the softmax and the P·V dot (the kernel's docstring says where it is used).
     """
     BLOCK_M: tl.constexpr = BPI * GLP
     TILE: tl.constexpr = BPI * BLOCK_N
@@ -426,20 +453,28 @@ def _compressed_part(
     nk_lo = _load_meta(lo_ptr, first, n_blocks, m_blk, kch, kch_ok, BPI)
     nv_step = _load_meta(step_ptr + m_kv, first, n_blocks, m_blk, ch, ch_ok, BPI)
     nv_lo = _load_meta(lo_ptr + m_kv, first, n_blocks, m_blk, ch, ch_ok, BPI)
+    if CARRY_KEYS:
+        rows = _tile_rows(first, toks, n_blocks, BPI, BLOCK_N)
+        nk_words = _load_words(codes_ptr, rows, (first < last).to(tl.int32), c_t, BITS, WP, HEAD_DIM, WORDS)
     for tile in range(first, last):
         blk = tile * BPI + slot
         blk_in = tl.minimum(blk, n_blocks - 1)  # a ragged last tile re-reads the last block
-        # clamped per block, so that Triton sees 64 consecutive rows (one base, constant offsets)
-        tok_blk = tl.minimum(tile * BPI + toks // BLOCK_N, n_blocks - 1)
-        key_rows = tok_blk * BLOCK_N + toks % BLOCK_N
+        key_rows = _tile_rows(tile, toks, n_blocks, BPI, BLOCK_N)
+        if CARRY_KEYS:
+            k_words = nk_words
+        else:
+            k_words = _load_words(codes_ptr, key_rows, 1, c_t, BITS, WP, HEAD_DIM, WORDS)
         # this tile's metadata, loaded in the previous iteration
         k_step = _row_groups(nk_step.to(tl.float32) * k_weight[None, :], GLP)
         k_lo = _row_groups(nk_lo, GLP)
         k_s8 = tl.load(s8_ptr + blk_in)
         bias = tl.sum(q * (k_lo + CENTER * k_step), 1)
-        kc = _key_tile(_load_codes(codes_ptr, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED))
+        kc = _key_tile(_unpack_codes(k_words, BITS, BIASED))
         # q·step as fp16 hi + lo rows: one dot, ~22-bit q (the rows pad the dot's 16 anyway)
         s = tl.sum(tl.reshape(tl.dot(_split_fp16(q * k_step), kc), [2, BLOCK_M, TILE]), 0)
+        if CARRY_KEYS:  # the next tile's, requested now that this tile's are in the dot
+            rows = _tile_rows(tile + 1, toks, n_blocks, BPI, BLOCK_N)
+            nk_words = _load_words(codes_ptr, rows, (tile + 1 < last).to(tl.int32), c_t, BITS, WP, HEAD_DIM, WORDS)
         s = s * (k_s8 * UNIT)[:, None] + (bias * k_s8)[:, None]
         s = tl.where(own & (blk < n_blocks)[:, None], s, float("-inf"))
         s = _visible(s, tile * TILE + toks, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
@@ -447,7 +482,8 @@ def _compressed_part(
         v_step = _row_groups(nv_step.to(tl.float32) * v_weight[None, :], GLP)
         v_lo = _row_groups(nv_lo, GLP)
         v_s8 = tl.load(s8_ptr + s8_kv + blk_in)
-        vc = _value_tile(_load_codes(codes_ptr + c_kv, key_rows, c_t, BITS, WP, HEAD_DIM, WORDS, BIASED))
+        v_words = _load_words(codes_ptr + c_kv, key_rows, 1, c_t, BITS, WP, HEAD_DIM, WORDS)
+        vc = _value_tile(_unpack_codes(v_words, BITS, BIASED))
         p16 = p.to(tl.float16)
         p_sum = tl.sum(p16.to(tl.float32), 1)  # the P the dot sees, so that lo·ΣP matches it
         pv = tl.dot(p16, vc)
@@ -546,7 +582,19 @@ def _flashq_decode_kernel(
     """Grid ``(splits + 1, B, H)``: axis 0 is the split of the compressed blocks, the last one
     the INT8 buffer; axis 2 the head slot (the ``n4`` INT4 slots first), the slowest, so that
     an SM runs one format's loop at a time. ``HAS4``/``HAS2``: the cache has INT4/INT2 heads
-    (a single-format cache compiles one path)."""
+    (a single-format cache compiles one path).
+
+    The next tile's key words are carried in registers (:func:`_compressed_part`) only on an
+    INT4-only cache with rows of 16 words (head dims 72–128), where they load in the layout
+    :func:`_key_tile` reads. H100, one call per graph, in one run against loading them where
+    the tile starts: INT4 B=1 × 32K 0.0336 → 0.0328 ms, B=1 × 128K 0.0933 → 0.0884,
+    B=8 × 32K 0.1681 → 0.1585. In the 2/4 mix the INT4 path then needs 255 registers and
+    spills, and the mix got slower (B=1 × 32K 0.0308 → 0.0315; in a graph of 8 calls 0.0253 →
+    0.0270). With 8-word rows (INT2 at D=128, INT4 at D=64) the carried words take another
+    layout, which Triton converts with 50–130 more shuffles per tile (INT2 5–15 % slower), and
+    at D=256 they add spills.
+    """
+    CARRY4: tl.constexpr = WP4 == 16 and not HAS2
     split = tl.program_id(0)
     b = tl.program_id(1)
     slot = tl.program_id(2)
@@ -572,7 +620,7 @@ def _flashq_decode_kernel(
                 q_ptr, sq_b, sq_h, sq_l, qk_scale, c4_ptr + b * c4_b + slot * c4_h, c4_kv, c4_t,
                 step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
                 b, h, split, n_parts - 1, length, compressed,
-                4, WP4, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS4, BIASED,
+                4, WP4, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS4, BIASED, CARRY4,
             )
             _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
         if HAS2 and slot >= n4:
@@ -580,7 +628,7 @@ def _flashq_decode_kernel(
                 q_ptr, sq_b, sq_h, sq_l, qk_scale, c2_ptr + b * c2_b + (slot - n4) * c2_h, c2_kv, c2_t,
                 step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
                 b, h, split, n_parts - 1, length, compressed,
-                2, WP2, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS2, BIASED,
+                2, WP2, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS2, BIASED, False,
             )
             _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
 
