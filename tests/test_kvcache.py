@@ -368,13 +368,15 @@ def test_decode_kernel_metadata_prefetch_edges(blocks_per_iter, d):
 
 @_INTERP
 @pytest.mark.parametrize("splits", [3, 40])
-def test_decode_kernel_carried_key_words(splits):
-    """An INT4-only cache at D=128 (rows of 16 words) carries each next tile's key words in
-    registers: splits of several tiles, the last of which requests none, and more splits than
-    tiles (a split without a tile loads none)."""
-    layer, _, _ = _filled_layer(1, 2, 490, 128, 0, 3, capacity=640)
+@pytest.mark.parametrize("int2_heads", [0, 1])
+def test_decode_kernel_carried_key_words(splits, int2_heads):
+    """``prefetch="keys"`` at D=128 (INT4 rows of 16 words) carries each next tile's key words
+    in registers: splits of several tiles, the last of which requests none, and more splits
+    than tiles (a split without a tile loads none); an INT4-only cache and a mix, whose INT2
+    path loads its words where it uses them."""
+    layer, _, _ = _filled_layer(1, 2, 490, 128, int2_heads, 3, capacity=640)
     q = torch.randn(1, 8, 1, 128, dtype=torch.float16)
-    assert _kernel_error(layer, q, None, None, splits=splits) < 2e-3
+    assert _kernel_error(layer, q, None, None, splits=splits, prefetch="keys") < 2e-3
 
 
 @_INTERP
@@ -418,7 +420,7 @@ def test_decode_kernel_score_max_jumps_between_tiles(late):
 
 def test_default_splits_and_config_validation():
     from qattn_compile.kernels.decode import (
-        MAX_SPLITS, DecodeConfig, default_splits, default_warps,
+        MAX_SPLITS, DecodeConfig, default_prefetch, default_splits, default_warps,
     )
 
     blocks_32k, blocks_128k = 32768 // KV_CACHE_BLOCK + 2, 131072 // KV_CACHE_BLOCK + 2
@@ -432,7 +434,13 @@ def test_default_splits_and_config_validation():
     assert default_splits(64, 8, blocks_32k, 2, 2) == 1  # more (batch, kv head)s than a wave: one split
     assert default_splits(1, 1, 3, 2, 2) == 1  # short caches: one split
     assert [default_warps(rows) for rows in (4, 16, 32, 64)] == [1, 1, 2, 4]
-    for bad in ({"blocks_per_iter": 8}, {"codes": "int8"}, {"splits": 0}, {"splits": MAX_SPLITS + 1}):
+    # prefetch: L2 for long splits of one format, key words for short INT4 splits of 16-word rows
+    assert default_prefetch(8, 0, 128, 16) == default_prefetch(0, 8, 128, 8) == "l2"
+    assert default_prefetch(8, 0, 128, 4) == default_prefetch(8, 0, 100, 7) == "keys"
+    assert default_prefetch(8, 0, 64, 4) == default_prefetch(0, 8, 128, 4) == "none"  # 8-word rows
+    assert default_prefetch(4, 4, 128, 16) == default_prefetch(4, 4, 128, 4) == "none"  # the mix
+    for bad in ({"blocks_per_iter": 8}, {"codes": "int8"}, {"splits": 0}, {"splits": MAX_SPLITS + 1},
+                {"prefetch": "tma"}):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
 

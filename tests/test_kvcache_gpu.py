@@ -56,6 +56,7 @@ _VARIANTS = [
     {"blocks_per_iter": 1}, {"blocks_per_iter": 2}, {"blocks_per_iter": 4}, {"codes": "biased"},
     {"num_stages": 2}, {"num_stages": 3}, {"num_warps": 2}, {"num_warps": 4},
     {"blocks_per_iter": 4, "num_warps": 8}, {"blocks_per_iter": 2, "num_warps": 2}, {"splits": 1}, {"splits": 127}, {"splits": 128},
+    {"prefetch": "none"}, {"prefetch": "l2"}, {"prefetch": "keys"}, {"prefetch": "l2", "blocks_per_iter": 2},
 ]
 
 

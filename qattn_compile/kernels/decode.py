@@ -123,6 +123,16 @@ _COMBINE_TILE = 8192  # partial values one merge program loads at once (64 per t
 MAX_ROWS = 64
 """Row groups stop at this many rows per program (``blocks_per_iter`` is lowered for large
 query groups, which fill the dot's rows by themselves)."""
+PREFETCH_MODES = ("auto", "none", "l2", "keys")
+"""How a split requests the codes of its next tile before it needs them
+(:func:`_compressed_part`): ``none`` (each tile's codes are loaded where the tile uses them),
+``l2`` (the next tile's key and value rows are asked into the L2 cache at the top of each
+tile; needs a GPU: the interpreter runs it as ``none``), ``keys`` (the next tile's key words
+are loaded into registers after this tile's score dot; INT4 rows of 16 words only, other
+rows as ``none``), ``auto`` (:func:`default_prefetch`)."""
+L2_PREFETCH_MIN_TILES = 8
+""":func:`default_prefetch` prefetches into L2 when every split has at least this many tiles
+of the capacity (measured gains at 16, losses at 4)."""
 CODE_FORMATS = ("subnormal", "biased")
 """How codes become fp16 dot operands (module docstring): ``subnormal`` (the code's bits as an
 fp16 subnormal) or ``biased`` (1024 + code, minus 1024)."""
@@ -139,6 +149,8 @@ class DecodeConfig:
     - ``codes``: one of :data:`CODE_FORMATS`.
     - ``num_warps``, ``num_stages``: Triton's (stages > 1: asynchronous copies of the codes
       of later tiles into shared memory); ``num_warps=None`` picks :func:`default_warps`.
+    - ``prefetch``: how a split gets the next tile's codes early, one of
+      :data:`PREFETCH_MODES`; ``"auto"`` picks :func:`default_prefetch`.
 
     The defaults are the fastest of the H100 sweeps (``benchmarks/decode.py --sweep``,
     Triton 3.6, with the code tiles built in the dots' operand layout): 1 block per
@@ -158,10 +170,13 @@ class DecodeConfig:
     codes: str = "subnormal"
     num_warps: int | None = None
     num_stages: int = 1
+    prefetch: str = "auto"
 
     def __post_init__(self):
         if self.blocks_per_iter not in (1, 2, 4):
             raise ValueError(f"blocks_per_iter must be 1, 2 or 4, got {self.blocks_per_iter}")
+        if self.prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {self.prefetch!r}")
         if self.codes not in CODE_FORMATS:
             raise ValueError(f"codes must be one of {CODE_FORMATS}, got {self.codes!r}")
         if self.splits is not None and not 1 <= self.splits <= MAX_SPLITS:
@@ -351,6 +366,18 @@ def _tile_rows(tile, toks, n_blocks, BPI: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptr, tile, n_blocks, stride_t: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LINES: tl.constexpr):
+    """Ask the L2 cache for the packed rows of tile ``tile`` (``LINES`` 128-byte lines from its
+    first block's first row, clamped to the last stored block's), holding no register."""
+    first = tl.minimum(tile * BPI, tl.maximum(n_blocks - 1, 0)) * BLOCK_N * stride_t
+    end = tl.maximum(n_blocks, 1) * BLOCK_N * stride_t - 1
+    lines = ptr + tl.minimum(first + tl.arange(0, LINES) * 128, end)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _visible(s, keys, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND: tl.constexpr):
     """Scores ``s`` ``[M, N]`` (log2 units) of keys ``keys`` ``[N]`` for queries at positions
     ``qpos`` ``[M]``: causal, then the user mask; invisible → -inf."""
@@ -405,7 +432,7 @@ def _compressed_part(
     b, h, split, n_splits, length, compressed,
     BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr,
     GLP: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-    WORDS: tl.constexpr, BIASED: tl.constexpr, CARRY_KEYS: tl.constexpr,
+    WORDS: tl.constexpr, BIASED: tl.constexpr, CARRY_KEYS: tl.constexpr, L2_LINES: tl.constexpr,
 ):
     """Online-softmax state of split ``split`` of the compressed blocks of (batch ``b``, kv
     head ``h``), row layout of :func:`_query_rows`, columns in code order.
@@ -422,9 +449,11 @@ def _compressed_part(
     B=8 × 32K INT4, 0.336 → 0.244 INT2, whose register count also drops to 3 programs/SM).
 
     The codes are loaded into registers where the tile starts (keys) and after its softmax
-    (values), except that ``CARRY_KEYS`` requests the next tile's key words right after this
-    tile's score dot and carries them to the next iteration, so their latency hides behind
-    the softmax and the P·V dot (the kernel's docstring says where it is used).
+    (values). ``CARRY_KEYS`` requests the next tile's key words right after this tile's score
+    dot instead and carries them to the next iteration, so their latency hides behind the
+    softmax and the P·V dot. ``L2_LINES`` > 0 asks the L2 cache for the next tile's rows
+    (that many 128-byte lines from its first row) at the top of each tile, which holds no
+    register (:data:`PREFETCH_MODES`, :func:`default_prefetch`).
     """
     BLOCK_M: tl.constexpr = BPI * GLP
     TILE: tl.constexpr = BPI * BLOCK_N
@@ -460,6 +489,11 @@ def _compressed_part(
         blk = tile * BPI + slot
         blk_in = tl.minimum(blk, n_blocks - 1)  # a ragged last tile re-reads the last block
         key_rows = _tile_rows(tile, toks, n_blocks, BPI, BLOCK_N)
+        if L2_LINES > 0:  # the next tile of this split (the last tile asks for itself again)
+            ahead = tl.minimum(tile + 1, last - 1)
+            _prefetch_l2(codes_ptr + c_kv, ahead, n_blocks, c_t, BPI, BLOCK_N, L2_LINES)
+            if not CARRY_KEYS:
+                _prefetch_l2(codes_ptr, ahead, n_blocks, c_t, BPI, BLOCK_N, L2_LINES)
         if CARRY_KEYS:
             k_words = nk_words
         else:
@@ -577,24 +611,14 @@ def _flashq_decode_kernel(
     HEAD_DIM: tl.constexpr, DO: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr, GLP: tl.constexpr,
     BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
     WP4: tl.constexpr, WP2: tl.constexpr, WORDS4: tl.constexpr, WORDS2: tl.constexpr, BIASED: tl.constexpr,
-    HAS4: tl.constexpr, HAS2: tl.constexpr,
+    HAS4: tl.constexpr, HAS2: tl.constexpr, CARRY4: tl.constexpr, L2_LINES4: tl.constexpr, L2_LINES2: tl.constexpr,
 ):
     """Grid ``(splits + 1, B, H)``: axis 0 is the split of the compressed blocks, the last one
     the INT8 buffer; axis 2 the head slot (the ``n4`` INT4 slots first), the slowest, so that
     an SM runs one format's loop at a time. ``HAS4``/``HAS2``: the cache has INT4/INT2 heads
-    (a single-format cache compiles one path).
-
-    The next tile's key words are carried in registers (:func:`_compressed_part`) only on an
-    INT4-only cache with rows of 16 words (head dims 72–128), where they load in the layout
-    :func:`_key_tile` reads. H100, one call per graph, in one run against loading them where
-    the tile starts: INT4 B=1 × 32K 0.0336 → 0.0328 ms, B=1 × 128K 0.0933 → 0.0884,
-    B=8 × 32K 0.1681 → 0.1585. In the 2/4 mix the INT4 path then needs 255 registers and
-    spills, and the mix got slower (B=1 × 32K 0.0308 → 0.0315; in a graph of 8 calls 0.0253 →
-    0.0270). With 8-word rows (INT2 at D=128, INT4 at D=64) the carried words take another
-    layout, which Triton converts with 50–130 more shuffles per tile (INT2 5–15 % slower), and
-    at D=256 they add spills.
+    (a single-format cache compiles one path). ``CARRY4``, ``L2_LINES4``/``L2_LINES2``: the
+    prefetch of the INT4 / INT2 path (:func:`_compressed_part`, :func:`_launch_prefetch`).
     """
-    CARRY4: tl.constexpr = WP4 == 16 and not HAS2
     split = tl.program_id(0)
     b = tl.program_id(1)
     slot = tl.program_id(2)
@@ -620,7 +644,7 @@ def _flashq_decode_kernel(
                 q_ptr, sq_b, sq_h, sq_l, qk_scale, c4_ptr + b * c4_b + slot * c4_h, c4_kv, c4_t,
                 step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
                 b, h, split, n_parts - 1, length, compressed,
-                4, WP4, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS4, BIASED, CARRY4,
+                4, WP4, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS4, BIASED, CARRY4, L2_LINES4,
             )
             _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
         if HAS2 and slot >= n4:
@@ -628,7 +652,7 @@ def _flashq_decode_kernel(
                 q_ptr, sq_b, sq_h, sq_l, qk_scale, c2_ptr + b * c2_b + (slot - n4) * c2_h, c2_kv, c2_t,
                 step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
                 b, h, split, n_parts - 1, length, compressed,
-                2, WP2, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS2, BIASED, False,
+                2, WP2, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS2, BIASED, False, L2_LINES2,
             )
             _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
 
@@ -724,6 +748,46 @@ def _mask_args(attn_mask: Tensor | None, q: Tensor, device: torch.device):
     return kind, mask, tuple(mask.stride()), mask.shape[-1]
 
 
+def default_prefetch(int4_heads: int, int2_heads: int, head_dim: int, tiles_per_split: int) -> str:
+    """The prefetch mode (:data:`PREFETCH_MODES`) for a cache with these heads whose splits get
+    ``tiles_per_split`` tiles of the capacity.
+
+    - ``l2`` for a single-format cache whose splits have at least
+      :data:`L2_PREFETCH_MIN_TILES` tiles. H100, B=8 × 32K (16 tiles per split), against the
+      best other mode, ms: INT4 0.1480 → 0.1376, INT2 0.1188 → 0.1142; B=1 × 128K 0.0832 →
+      0.0801 and 0.0674 → 0.0643. With 4 tiles per split (B=1 × 32K) INT4 lost 3 % (0.0328 →
+      0.0338): the first tile's loads then compete with the second tile's prefetch, and
+      there are few tiles to win back.
+    - ``keys`` for an INT4-only cache with rows of 16 words (head dims 72–128), where the
+      carried words keep the layout :func:`_key_tile` reads: B=1 × 32K 0.0336 → 0.0328.
+      With 8-word rows (INT2 at D=128, INT4 at D=64) the carried words take another layout,
+      which Triton converts with 50–130 more shuffles per tile (INT2 5–15 % slower); at
+      D=256 they add spills.
+    - ``none`` for the 2/4 mix: its kernel holds both loops, and with either prefetch it got
+      slower (B=1 × 32K 0.0304 → 0.0338 with ``l2``, 0.0308 → 0.0315 with ``keys``, whose
+      INT4 loop then needs 255 registers and spills; B=1 × 128K 0.0940 → 0.0987 with ``l2``).
+    """
+    if int4_heads and int2_heads:
+        return "none"
+    if tiles_per_split >= L2_PREFETCH_MIN_TILES:
+        return "l2"
+    return "keys" if int4_heads and padded_words(head_dim, 4) == 16 else "none"
+
+
+def _launch_prefetch(mode: str, head_dim: int, codes4: Tensor, codes2: Tensor, bpi: int,
+                     device: torch.device) -> dict:
+    """The kernel's prefetch constexprs for a resolved ``mode``: ``CARRY4`` (``keys``, INT4 rows
+    of 16 words) and the 128-byte lines of a tile of each format's codes for ``l2`` (0 under the
+    interpreter, which runs no inline assembly)."""
+    def lines(codes: Tensor) -> int:
+        if mode != "l2" or interpreted(device):
+            return 0
+        return triton.next_power_of_2(max(1, bpi * KV_CACHE_BLOCK * codes.stride(3) // 128))
+
+    carry = mode == "keys" and padded_words(head_dim, 4) == 16
+    return {"CARRY4": carry, "L2_LINES4": lines(codes4), "L2_LINES2": lines(codes2)}
+
+
 def _word_rows(codes: Tensor) -> bool:
     """Whether packed rows ``codes`` ``[2, B, n, T, bytes]`` can be read as aligned int32 words."""
     return codes.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in codes.stride()[:-1]) and codes.data_ptr() % 4 == 0
@@ -739,14 +803,19 @@ def default_warps(rows: int) -> int:
 def resolve(config: DecodeConfig, q: Tensor, t) -> DecodeConfig:
     """``config`` as the launch for ``q`` ``[B, Hq, Lq, D]`` over the storage ``t`` uses it:
     ``blocks_per_iter`` lowered to :data:`MAX_ROWS` rows, ``num_warps`` from
-    :func:`default_warps` and ``splits`` from :func:`default_splits` when None."""
-    b, hq, lq, _ = q.shape
+    :func:`default_warps` and ``splits`` from :func:`default_splits` when None, ``prefetch``
+    from :func:`default_prefetch` when ``"auto"``."""
+    b, hq, lq, d = q.shape
     _, _, h, n_blocks, _ = t.step.shape
     rows = triton.next_power_of_2(hq // h * lq)
     bpi = min(config.blocks_per_iter, max(1, MAX_ROWS // rows))
     warps = config.num_warps or default_warps(bpi * rows)
     splits = config.splits or default_splits(b, h, n_blocks, bpi, warps, _sm_count(q.device))
-    return dataclasses.replace(config, blocks_per_iter=bpi, num_warps=warps, splits=splits)
+    prefetch = config.prefetch
+    if prefetch == "auto":
+        tiles_per_split = triton.cdiv(n_blocks, bpi) // splits
+        prefetch = default_prefetch(t.codes4.shape[2], t.codes2.shape[2], d, tiles_per_split)
+    return dataclasses.replace(config, blocks_per_iter=bpi, num_warps=warps, splits=splits, prefetch=prefetch)
 
 
 def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: float | None = None,
@@ -791,6 +860,7 @@ def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: f
         HEAD_DIM=d, DO=d_out, G=group, LQ=lq, GLP=glp, BPI=bpi, BLOCK_N=KV_CACHE_BLOCK, MASK_KIND=kind,
         WP4=padded_words(d, 4), WP2=padded_words(d, 2), WORDS4=_word_rows(c4), WORDS2=_word_rows(c2),
         BIASED=config.codes == "biased", HAS4=t.heads4.numel() > 0, HAS2=t.heads2.numel() > 0,
+        **_launch_prefetch(config.prefetch, d, c4, c2, bpi, q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     out = torch.empty(b, hq, lq, d, dtype=q.dtype, device=q.device)
