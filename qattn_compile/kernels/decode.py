@@ -6,10 +6,14 @@ Semantics: :func:`qattn_compile.kvcache.flashq.reference_decode`; storage layout
 
 Work split. The grid is ``(splits + 1, B, H)``, the INT4 heads' slots first along axis 2.
 Program ``(i, b, slot)`` with ``i < splits`` serves the ``GL = G·Lq`` query rows of the kv
-head's query group (GQA) against split ``i``'s even share of the stored compressed tiles;
-program ``i = splits`` serves the same rows against the INT8 buffer. The stored length is
-read on the device, so the launch never syncs with the host (CUDA-graph safe), and the split
-count depends only on the capacity (:func:`default_splits`). Each program merges its row
+head's query group (GQA) against the stored compressed tiles ``i, i + splits, i + 2·splits,
+...``; program ``i = splits`` serves the same rows against the INT8 buffer. The stored length
+is read on the device, so the launch never syncs with the host (CUDA-graph safe), and the
+split count depends only on the capacity (:func:`default_splits`). A split's first tile does
+not depend on the length, so its first loads (codes, block metadata, and the queries of a
+single-format cache, whose head map is the identity) are issued before the length arrives
+(H100, against even contiguous shares whose first tile needs the length: INT4 B=1 × 32K
+0.0329 → 0.0320 ms, B=1 × 128K 0.0800 → 0.0767). Each program merges its row
 groups and writes one partial ``(m, l, acc)``; :func:`_combine_kernel` loads the
 ``splits + 1`` partials of a (batch, kv head) at once and merges them. The head slot is the
 slowest grid axis, so a 2/4 mix's INT4 programs are dispatched before its INT2 ones and an SM
@@ -69,15 +73,14 @@ sees 64 consecutive rows, and the packed row stride is a compile-time constant.
 
 Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metadata for K and
 as much for V (136), INT2 72, against 512 for a bf16 cache. Measured (H100, torch 2.11,
-Triton 3.6, CUDA graphs, GQA 32/8) against SDPA cuDNN on a bf16 cache (0.364 ms at B=8 × 32K,
-0.193 at B=1 × 128K, 0.064 at B=1 × 32K; one call per graph): INT4 0.149–0.160 ms (2.3–2.4×;
-~1.8 TB/s of the 0.29 GB it reads), 0.090 (2.1×) and 0.0345 (1.85×); INT2 0.124–0.128
-(2.85×), 0.070 (2.75×) and 0.028 (2.3×); the 2/4 mix 0.146–0.148 (2.5×), 0.092 (2.1×) and
-0.035 (1.84×). At B=1 × 32K the decode kernel takes ~21 µs (4 tiles of ~4.6 µs per
-program), the merge ~3 µs, the rest is the graph's launch. The kernel still reads its bytes
-well below HBM's rate: it is bound by instructions and latency (~1700 warp instructions per
-64-token block, sm_90 SASS; 8 resident warps per SM, each issuing every ~4.6 cycles, most
-often waiting on a global load), not by memory (benchmarks/NOTES.md).
+Triton 3.6, CUDA graphs, GQA 32/8; session 8, benchmarks/RESULTS.md) against SDPA cuDNN on a
+bf16 cache (0.365 ms at B=8 × 32K, 0.193 at B=1 × 128K, 0.064 at B=1 × 32K; one call per
+graph): INT4 0.139 ms (2.6×; ~2.0 TB/s of the 0.29 GB it reads), 0.077 (2.5×) and 0.0320
+(2.0×); INT2 0.111 (3.3×), 0.062 (3.1×) and 0.0255 (2.5×); the 2/4 mix 0.133 (2.75×), 0.092
+(2.1×) and 0.0297 (2.15×). At B=1 × 32K one wave of one-warp programs of 4 tiles each, plus
+the merge kernel (~3 µs) and the graph's launch. The kernel still reads its bytes below HBM's
+rate: with 8 resident one-warp programs per SM (the register file) each program waits on its
+loads and its ~1600 warp instructions per 64-token tile in turn (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -429,13 +432,15 @@ def _compressed_part(
     step_ptr, lo_ptr, m_kv, m_blk,
     s8_ptr, s8_kv,
     mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
-    b, h, split, n_splits, length, compressed,
+    b, h, split, n_splits, length, compressed, cap_blocks,
     BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr,
     GLP: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
     WORDS: tl.constexpr, BIASED: tl.constexpr, CARRY_KEYS: tl.constexpr, L2_LINES: tl.constexpr,
 ):
     """Online-softmax state of split ``split`` of the compressed blocks of (batch ``b``, kv
-    head ``h``), row layout of :func:`_query_rows`, columns in code order.
+    head ``h``), row layout of :func:`_query_rows`, columns in code order. The split takes
+    tiles ``split``, ``split + n_splits``, ... below the stored ones; the cache holds
+    ``cap_blocks`` blocks.
 
     Pointers are already offset to this (batch, head): ``codes_ptr`` ``[2, T, D·BITS/8]``
     uint8 (strides ``c_kv``, ``c_t``), ``step_ptr``/``lo_ptr`` ``[2, NB, D]`` (``m_kv``,
@@ -471,26 +476,27 @@ def _compressed_part(
 
     n_blocks = compressed // BLOCK_N
     n_tiles = tl.cdiv(n_blocks, BPI)
-    first = split * n_tiles // n_splits
-    last = (split + 1) * n_tiles // n_splits
+    # this split's tiles are split, split + n_splits, ...: its first tile's address does not
+    # depend on the stored length, so its loads (clamped to the capacity) start before it arrives
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, WP * 32 // BITS], tl.float32)
     toks = tl.arange(0, TILE)
     own = (toks // BLOCK_N)[None, :] == slot[:, None]  # row group j reads block slot j
-    nk_step = _load_meta(step_ptr, first, n_blocks, m_blk, kch, kch_ok, BPI)
-    nk_lo = _load_meta(lo_ptr, first, n_blocks, m_blk, kch, kch_ok, BPI)
-    nv_step = _load_meta(step_ptr + m_kv, first, n_blocks, m_blk, ch, ch_ok, BPI)
-    nv_lo = _load_meta(lo_ptr + m_kv, first, n_blocks, m_blk, ch, ch_ok, BPI)
+    nk_step = _load_meta(step_ptr, split, cap_blocks, m_blk, kch, kch_ok, BPI)
+    nk_lo = _load_meta(lo_ptr, split, cap_blocks, m_blk, kch, kch_ok, BPI)
+    nv_step = _load_meta(step_ptr + m_kv, split, cap_blocks, m_blk, ch, ch_ok, BPI)
+    nv_lo = _load_meta(lo_ptr + m_kv, split, cap_blocks, m_blk, ch, ch_ok, BPI)
     if CARRY_KEYS:
-        rows = _tile_rows(first, toks, n_blocks, BPI, BLOCK_N)
-        nk_words = _load_words(codes_ptr, rows, (first < last).to(tl.int32), c_t, BITS, WP, HEAD_DIM, WORDS)
-    for tile in range(first, last):
+        rows = _tile_rows(split, toks, cap_blocks, BPI, BLOCK_N)
+        nk_words = _load_words(codes_ptr, rows, (cap_blocks > 0).to(tl.int32), c_t, BITS, WP, HEAD_DIM, WORDS)
+    for tile in range(split, n_tiles, n_splits):
+        nxt = tile + n_splits
         blk = tile * BPI + slot
         blk_in = tl.minimum(blk, n_blocks - 1)  # a ragged last tile re-reads the last block
         key_rows = _tile_rows(tile, toks, n_blocks, BPI, BLOCK_N)
         if L2_LINES > 0:  # the next tile of this split (the last tile asks for itself again)
-            ahead = tl.minimum(tile + 1, last - 1)
+            ahead = tl.where(nxt < n_tiles, nxt, tile)
             _prefetch_l2(codes_ptr + c_kv, ahead, n_blocks, c_t, BPI, BLOCK_N, L2_LINES)
             if not CARRY_KEYS:
                 _prefetch_l2(codes_ptr, ahead, n_blocks, c_t, BPI, BLOCK_N, L2_LINES)
@@ -507,8 +513,8 @@ def _compressed_part(
         # q·step as fp16 hi + lo rows: one dot, ~22-bit q (the rows pad the dot's 16 anyway)
         s = tl.sum(tl.reshape(tl.dot(_split_fp16(q * k_step), kc), [2, BLOCK_M, TILE]), 0)
         if CARRY_KEYS:  # the next tile's, requested now that this tile's are in the dot
-            rows = _tile_rows(tile + 1, toks, n_blocks, BPI, BLOCK_N)
-            nk_words = _load_words(codes_ptr, rows, (tile + 1 < last).to(tl.int32), c_t, BITS, WP, HEAD_DIM, WORDS)
+            rows = _tile_rows(nxt, toks, n_blocks, BPI, BLOCK_N)
+            nk_words = _load_words(codes_ptr, rows, (nxt < n_tiles).to(tl.int32), c_t, BITS, WP, HEAD_DIM, WORDS)
         s = s * (k_s8 * UNIT)[:, None] + (bias * k_s8)[:, None]
         s = tl.where(own & (blk < n_blocks)[:, None], s, float("-inf"))
         s = _visible(s, tile * TILE + toks, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND)
@@ -523,10 +529,10 @@ def _compressed_part(
         pv = tl.dot(p16, vc)
         acc = acc * alpha[:, None] + pv * ((v_s8 * UNIT)[:, None] * v_step)
         acc += (p_sum * v_s8)[:, None] * (v_lo + CENTER * v_step)
-        nk_step = _load_meta(step_ptr, tile + 1, n_blocks, m_blk, kch, kch_ok, BPI)
-        nk_lo = _load_meta(lo_ptr, tile + 1, n_blocks, m_blk, kch, kch_ok, BPI)
-        nv_step = _load_meta(step_ptr + m_kv, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
-        nv_lo = _load_meta(lo_ptr + m_kv, tile + 1, n_blocks, m_blk, ch, ch_ok, BPI)
+        nk_step = _load_meta(step_ptr, nxt, n_blocks, m_blk, kch, kch_ok, BPI)
+        nk_lo = _load_meta(lo_ptr, nxt, n_blocks, m_blk, kch, kch_ok, BPI)
+        nv_step = _load_meta(step_ptr + m_kv, nxt, n_blocks, m_blk, ch, ch_ok, BPI)
+        nv_lo = _load_meta(lo_ptr + m_kv, nxt, n_blocks, m_blk, ch, ch_ok, BPI)
     return m_i, l_i, acc, ch, ch_ok
 
 
@@ -604,7 +610,7 @@ def _flashq_decode_kernel(
     s8_ptr, s8_kv, s8_b, s8_h,
     buf_ptr, buf_kv, buf_b, buf_h, buf_t,
     bs_ptr, bs_kv, bs_b,
-    len_ptr,
+    len_ptr, cap_blocks,
     mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
     part_o_ptr, part_ml_ptr,
     qk_scale, NBUF,
@@ -624,7 +630,10 @@ def _flashq_decode_kernel(
     slot = tl.program_id(2)
     n_heads = tl.num_programs(2)
     n_parts = tl.num_programs(0)
-    h = tl.load(tl.where(slot < n4, heads4_ptr + slot, heads2_ptr + slot - n4))
+    if HAS4 and HAS2:
+        h = tl.load(tl.where(slot < n4, heads4_ptr + slot, heads2_ptr + slot - n4))
+    else:  # a single format's map is the identity (FlashQTensors), and needs no load to wait on
+        h = slot
     length = tl.load(len_ptr).to(tl.int32)
     compressed = (length // NBUF) * NBUF
     part = (b * n_heads + h) * n_parts + split
@@ -643,7 +652,7 @@ def _flashq_decode_kernel(
             m_i, l_i, acc, ch, ch_ok = _compressed_part(
                 q_ptr, sq_b, sq_h, sq_l, qk_scale, c4_ptr + b * c4_b + slot * c4_h, c4_kv, c4_t,
                 step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
-                b, h, split, n_parts - 1, length, compressed,
+                b, h, split, n_parts - 1, length, compressed, cap_blocks,
                 4, WP4, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS4, BIASED, CARRY4, L2_LINES4,
             )
             _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
@@ -651,7 +660,7 @@ def _flashq_decode_kernel(
             m_i, l_i, acc, ch, ch_ok = _compressed_part(
                 q_ptr, sq_b, sq_h, sq_l, qk_scale, c2_ptr + b * c2_b + (slot - n4) * c2_h, c2_kv, c2_t,
                 step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
-                b, h, split, n_parts - 1, length, compressed,
+                b, h, split, n_parts - 1, length, compressed, cap_blocks,
                 2, WP2, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS2, BIASED, False, L2_LINES2,
             )
             _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
@@ -853,7 +862,7 @@ def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: f
         t.scale8, t.scale8.stride(0), t.scale8.stride(1), t.scale8.stride(2),
         t.buf, t.buf.stride(0), t.buf.stride(1), t.buf.stride(2), t.buf.stride(3),
         t.buf_scale, t.buf_scale.stride(0), t.buf_scale.stride(1),
-        t.length,
+        t.length, t.step.shape[3],
         mask, sm_b, sm_h, sm_q, sm_k, mask_len,
         part_o, part_ml,
         tau * _LOG2E, t.buf.shape[-2],

@@ -141,7 +141,9 @@ class FlashQTensors(NamedTuple):
     - ``scale8``: float32 ``[2, B, H, NB]`` (stage-1 scale of each block).
     - ``buf``: int8 ``[2, B, H, n_b, D]`` (decode buffer); ``buf_scale``: float32
       ``[2, B, H]`` (universal scales).
-    - ``heads4``, ``heads2``: int32 ``[n4]``, ``[n2]`` (kv head of each slot).
+    - ``heads4``, ``heads2``: int32 ``[n4]``, ``[n2]`` (kv head of each slot), each in
+      increasing head order, so that a single-format cache's map is the identity (the decode
+      kernel then does not read it).
     - ``length``: int64 ``[]``, tokens stored. Tokens ``[0, C)`` with
       ``C = (length // n_b)·n_b`` are in compressed blocks, ``[C, length)`` in ``buf``.
     """
