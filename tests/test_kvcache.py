@@ -355,15 +355,16 @@ def test_decode_kernel_variants_match_reference(blocks_per_iter, codes):
 
 
 @_INTERP
-@pytest.mark.parametrize("blocks_per_iter", [2, 4])
+@pytest.mark.parametrize("blocks_per_iter, splits", [(2, 3), (4, 3), (2, 4)])
 @pytest.mark.parametrize("d", [32, 48])
-def test_decode_kernel_metadata_prefetch_edges(blocks_per_iter, d):
-    """Block metadata loaded one tile ahead: a ragged last tile, 3 splits (one split's last
-    prefetch reads past the last block), INT4 + INT2 heads, a head dim whose packed rows are
-    not whole words (48)."""
+def test_decode_kernel_metadata_prefetch_edges(blocks_per_iter, splits, d):
+    """Block metadata loaded one tile ahead: 7 stored blocks, so a ragged last tile; 3 splits
+    (a split's last prefetch reads past the last block); 4 splits of 2-block tiles (the last
+    split's first tile, loaded before the stored length is known, is the ragged one); INT4 +
+    INT2 heads, a head dim whose packed rows are not whole words (48)."""
     layer, _, _ = _filled_layer(1, 2, 490, d, 1, 3, capacity=640)
     q = torch.randn(1, 8, 1, d, dtype=torch.float16)
-    assert _kernel_error(layer, q, None, None, splits=3, blocks_per_iter=blocks_per_iter) < 2e-3
+    assert _kernel_error(layer, q, None, None, splits=splits, blocks_per_iter=blocks_per_iter) < 2e-3
 
 
 @_INTERP
