@@ -75,12 +75,12 @@ Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metada
 as much for V (136), INT2 72, against 512 for a bf16 cache. Measured (H100, torch 2.11,
 Triton 3.6, CUDA graphs, GQA 32/8; session 8, benchmarks/RESULTS.md) against SDPA cuDNN on a
 bf16 cache (0.365 ms at B=8 × 32K, 0.193 at B=1 × 128K, 0.064 at B=1 × 32K; one call per
-graph): INT4 0.139 ms (2.6×; ~2.0 TB/s of the 0.29 GB it reads), 0.077 (2.5×) and 0.0320
-(2.0×); INT2 0.111 (3.3×), 0.062 (3.1×) and 0.0255 (2.5×); the 2/4 mix 0.133 (2.75×), 0.092
-(2.1×) and 0.0297 (2.15×). At B=1 × 32K one wave of one-warp programs of 4 tiles each, plus
+graph): INT4 0.138 ms (2.65×; ~2.1 TB/s of the 0.29 GB it reads), 0.078 (2.5×) and 0.0305
+(2.1×); INT2 0.108 (3.4×), 0.060 (3.2×) and 0.0256 (2.5×); the 2/4 mix 0.128 (2.9×), 0.086
+(2.25×) and 0.0298 (2.1×). At B=1 × 32K one wave of one-warp programs of 4 tiles each, plus
 the merge kernel (~3 µs) and the graph's launch. The kernel still reads its bytes below HBM's
 rate: with 8 resident one-warp programs per SM (the register file) each program waits on its
-loads and its ~1600 warp instructions per 64-token tile in turn (benchmarks/NOTES.md).
+loads and its ~1550–1700 warp instructions per 64-token tile in turn (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -369,15 +369,25 @@ def _tile_rows(tile, toks, n_blocks, BPI: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptr, tile, n_blocks, stride_t: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr,
-                 LINES: tl.constexpr):
-    """Ask the L2 cache for the packed rows of tile ``tile`` (``LINES`` 128-byte lines from its
-    first block's first row, clamped to the last stored block's), holding no register."""
+def _prefetch(lines, L1: tl.constexpr):
+    """Ask the L1 (else the L2) cache for the 128-byte lines at the pointers ``lines``, holding
+    no register."""
+    if L1:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tile(ptr, tile, n_blocks, stride_t: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LINES: tl.constexpr, L1: tl.constexpr):
+    """Ask the L1 (else the L2) cache for the packed rows of tile ``tile``: ``LINES`` 128-byte
+    lines from its first block's first row, clamped to the last stored block's."""
     first = tl.minimum(tile * BPI, tl.maximum(n_blocks - 1, 0)) * BLOCK_N * stride_t
     end = tl.maximum(n_blocks, 1) * BLOCK_N * stride_t - 1
-    lines = ptr + tl.minimum(first + tl.arange(0, LINES) * 128, end)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    _prefetch(ptr + tl.minimum(first + tl.arange(0, LINES) * 128, end), L1)
 
 
 @triton.jit
@@ -435,7 +445,8 @@ def _compressed_part(
     b, h, split, n_splits, length, compressed, cap_blocks,
     BITS: tl.constexpr, WP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr,
     GLP: tl.constexpr, BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-    WORDS: tl.constexpr, BIASED: tl.constexpr, CARRY_KEYS: tl.constexpr, L2_LINES: tl.constexpr,
+    WORDS: tl.constexpr, BIASED: tl.constexpr, LINES: tl.constexpr, CARRY_KEYS: tl.constexpr,
+    L2_AHEAD: tl.constexpr,
 ):
     """Online-softmax state of split ``split`` of the compressed blocks of (batch ``b``, kv
     head ``h``), row layout of :func:`_query_rows`, columns in code order. The split takes
@@ -456,9 +467,14 @@ def _compressed_part(
     The codes are loaded into registers where the tile starts (keys) and after its softmax
     (values). ``CARRY_KEYS`` requests the next tile's key words right after this tile's score
     dot instead and carries them to the next iteration, so their latency hides behind the
-    softmax and the P·V dot. ``L2_LINES`` > 0 asks the L2 cache for the next tile's rows
-    (that many 128-byte lines from its first row) at the top of each tile, which holds no
-    register (:data:`PREFETCH_MODES`, :func:`default_prefetch`).
+    softmax and the P·V dot. ``L2_AHEAD`` asks the L2 cache for the next tile's rows at the
+    top of each tile (:data:`PREFETCH_MODES`, :func:`default_prefetch`). In every mode the top
+    of a tile also asks the L1 cache for this tile's value rows, read after the softmax, and
+    for the next tile's block metadata, read at the end of the tile; ``LINES`` is a tile's
+    128-byte lines of codes, 0 for no prefetch instruction at all (the interpreter). A
+    prefetch holds no register. H100, one call per graph, ms, without → with the L1 requests:
+    B=1 × 32K INT4 0.0321 → 0.0309; B=1 × 128K the mix 0.0908 → 0.0864, INT2 0.0627 →
+    0.0605, but INT4 (``l2``) 0.0771 → 0.0791; B=8 × 32K INT2 0.1111 → 0.1079, INT4 equal.
     """
     BLOCK_M: tl.constexpr = BPI * GLP
     TILE: tl.constexpr = BPI * BLOCK_N
@@ -483,6 +499,7 @@ def _compressed_part(
     acc = tl.zeros([BLOCK_M, WP * 32 // BITS], tl.float32)
     toks = tl.arange(0, TILE)
     own = (toks // BLOCK_N)[None, :] == slot[:, None]  # row group j reads block slot j
+    meta_rows = tl.arange(0, 4)  # K step, K lo, V step, V lo
     nk_step = _load_meta(step_ptr, split, cap_blocks, m_blk, kch, kch_ok, BPI)
     nk_lo = _load_meta(lo_ptr, split, cap_blocks, m_blk, kch, kch_ok, BPI)
     nv_step = _load_meta(step_ptr + m_kv, split, cap_blocks, m_blk, ch, ch_ok, BPI)
@@ -495,11 +512,17 @@ def _compressed_part(
         blk = tile * BPI + slot
         blk_in = tl.minimum(blk, n_blocks - 1)  # a ragged last tile re-reads the last block
         key_rows = _tile_rows(tile, toks, n_blocks, BPI, BLOCK_N)
-        if L2_LINES > 0:  # the next tile of this split (the last tile asks for itself again)
+        if LINES > 0:
+            # into L1: this tile's value rows (read after the softmax) and the next tile's block
+            # metadata (read at the end of this one)
+            _prefetch_tile(codes_ptr + c_kv, tile, n_blocks, c_t, BPI, BLOCK_N, LINES, True)
+            nb = tl.minimum(nxt * BPI, tl.maximum(n_blocks - 1, 0)) * m_blk + (meta_rows // 2) * m_kv
+            _prefetch(tl.where(meta_rows % 2 == 0, step_ptr + nb, lo_ptr.to(step_ptr.dtype) + nb), True)
+        if L2_AHEAD and LINES > 0:  # into L2: the next tile of this split (the last asks for itself)
             ahead = tl.where(nxt < n_tiles, nxt, tile)
-            _prefetch_l2(codes_ptr + c_kv, ahead, n_blocks, c_t, BPI, BLOCK_N, L2_LINES)
+            _prefetch_tile(codes_ptr + c_kv, ahead, n_blocks, c_t, BPI, BLOCK_N, LINES, False)
             if not CARRY_KEYS:
-                _prefetch_l2(codes_ptr, ahead, n_blocks, c_t, BPI, BLOCK_N, L2_LINES)
+                _prefetch_tile(codes_ptr, ahead, n_blocks, c_t, BPI, BLOCK_N, LINES, False)
         if CARRY_KEYS:
             k_words = nk_words
         else:
@@ -617,13 +640,14 @@ def _flashq_decode_kernel(
     HEAD_DIM: tl.constexpr, DO: tl.constexpr, G: tl.constexpr, LQ: tl.constexpr, GLP: tl.constexpr,
     BPI: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
     WP4: tl.constexpr, WP2: tl.constexpr, WORDS4: tl.constexpr, WORDS2: tl.constexpr, BIASED: tl.constexpr,
-    HAS4: tl.constexpr, HAS2: tl.constexpr, CARRY4: tl.constexpr, L2_LINES4: tl.constexpr, L2_LINES2: tl.constexpr,
+    HAS4: tl.constexpr, HAS2: tl.constexpr, LINES4: tl.constexpr, LINES2: tl.constexpr,
+    CARRY4: tl.constexpr, L2_AHEAD: tl.constexpr,
 ):
     """Grid ``(splits + 1, B, H)``: axis 0 is the split of the compressed blocks, the last one
     the INT8 buffer; axis 2 the head slot (the ``n4`` INT4 slots first), the slowest, so that
     an SM runs one format's loop at a time. ``HAS4``/``HAS2``: the cache has INT4/INT2 heads
-    (a single-format cache compiles one path). ``CARRY4``, ``L2_LINES4``/``L2_LINES2``: the
-    prefetch of the INT4 / INT2 path (:func:`_compressed_part`, :func:`_launch_prefetch`).
+    (a single-format cache compiles one path). ``LINES4``/``LINES2``, ``CARRY4``, ``L2_AHEAD``:
+    the prefetches of the INT4 / INT2 path (:func:`_compressed_part`, :func:`_launch_prefetch`).
     """
     split = tl.program_id(0)
     b = tl.program_id(1)
@@ -653,7 +677,7 @@ def _flashq_decode_kernel(
                 q_ptr, sq_b, sq_h, sq_l, qk_scale, c4_ptr + b * c4_b + slot * c4_h, c4_kv, c4_t,
                 step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
                 b, h, split, n_parts - 1, length, compressed, cap_blocks,
-                4, WP4, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS4, BIASED, CARRY4, L2_LINES4,
+                4, WP4, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS4, BIASED, LINES4, CARRY4, L2_AHEAD,
             )
             _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
         if HAS2 and slot >= n4:
@@ -661,7 +685,7 @@ def _flashq_decode_kernel(
                 q_ptr, sq_b, sq_h, sq_l, qk_scale, c2_ptr + b * c2_b + (slot - n4) * c2_h, c2_kv, c2_t,
                 step, lo, m_kv, m_blk, s8, s8_kv, mask_ptr, sm_b, sm_h, sm_q, sm_k, mask_len,
                 b, h, split, n_parts - 1, length, compressed, cap_blocks,
-                2, WP2, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS2, BIASED, False, L2_LINES2,
+                2, WP2, HEAD_DIM, G, LQ, GLP, BPI, BLOCK_N, MASK_KIND, WORDS2, BIASED, LINES2, False, L2_AHEAD,
             )
             _store_partial(m_i, l_i, acc, ch, ch_ok, part_o_ptr, part_ml_ptr, part, DO, GLP, BPI)
 
@@ -785,16 +809,17 @@ def default_prefetch(int4_heads: int, int2_heads: int, head_dim: int, tiles_per_
 
 def _launch_prefetch(mode: str, head_dim: int, codes4: Tensor, codes2: Tensor, bpi: int,
                      device: torch.device) -> dict:
-    """The kernel's prefetch constexprs for a resolved ``mode``: ``CARRY4`` (``keys``, INT4 rows
-    of 16 words) and the 128-byte lines of a tile of each format's codes for ``l2`` (0 under the
-    interpreter, which runs no inline assembly)."""
+    """The kernel's prefetch constexprs for a resolved ``mode``: the 128-byte lines of a tile of
+    each format's codes (0 under the interpreter, which runs no inline assembly: no prefetch
+    instruction at all), ``CARRY4`` (``keys``, INT4 rows of 16 words) and ``L2_AHEAD``
+    (``l2``)."""
     def lines(codes: Tensor) -> int:
-        if mode != "l2" or interpreted(device):
+        if interpreted(device):
             return 0
         return triton.next_power_of_2(max(1, bpi * KV_CACHE_BLOCK * codes.stride(3) // 128))
 
     carry = mode == "keys" and padded_words(head_dim, 4) == 16
-    return {"CARRY4": carry, "L2_LINES4": lines(codes4), "L2_LINES2": lines(codes2)}
+    return {"LINES4": lines(codes4), "LINES2": lines(codes2), "CARRY4": carry, "L2_AHEAD": mode == "l2"}
 
 
 def _word_rows(codes: Tensor) -> bool:
