@@ -492,21 +492,21 @@ def _compressed_part(
 
     n_blocks = compressed // BLOCK_N
     n_tiles = tl.cdiv(n_blocks, BPI)
-    # this split's tiles are split, split + n_splits, ...: its first tile's address does not
-    # depend on the stored length, so its loads (clamped to the capacity) start before it arrives
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, WP * 32 // BITS], tl.float32)
     toks = tl.arange(0, TILE)
     own = (toks // BLOCK_N)[None, :] == slot[:, None]  # row group j reads block slot j
     meta_rows = tl.arange(0, 4)  # K step, K lo, V step, V lo
+    # this split's tiles are split, split + n_splits, ...: its first tile's address does not
+    # depend on the stored length, so its loads (clamped to the capacity) start before it arrives
     nk_step = _load_meta(step_ptr, split, cap_blocks, m_blk, kch, kch_ok, BPI)
     nk_lo = _load_meta(lo_ptr, split, cap_blocks, m_blk, kch, kch_ok, BPI)
     nv_step = _load_meta(step_ptr + m_kv, split, cap_blocks, m_blk, ch, ch_ok, BPI)
     nv_lo = _load_meta(lo_ptr + m_kv, split, cap_blocks, m_blk, ch, ch_ok, BPI)
     if CARRY_KEYS:
         rows = _tile_rows(split, toks, cap_blocks, BPI, BLOCK_N)
-        nk_words = _load_words(codes_ptr, rows, (cap_blocks > 0).to(tl.int32), c_t, BITS, WP, HEAD_DIM, WORDS)
+        nk_words = _load_words(codes_ptr, rows, tl.where(cap_blocks > 0, 1, 0), c_t, BITS, WP, HEAD_DIM, WORDS)
     for tile in range(split, n_tiles, n_splits):
         nxt = tile + n_splits
         blk = tile * BPI + slot
