@@ -13,9 +13,10 @@ runs :func:`~qattn_compile.kernels.decode.flashq_decode_triton` on a cache fille
 Every variant (:data:`variants`: blocks per iteration, code format, stages, prefetch mode,
 warps, half and twice the default split count) is first checked against
 ``reference_decode`` on a small cache of the same head layout (which also compiles it), then
-timed at every shape and format. Times are medians of ``triton.testing.do_bench`` over a CUDA-graph replay of one call
-(the host's launch overhead excluded, as a compiled ``reduce-overhead`` decode step sees it,
-but the graph's own launch, several µs on the GPU, charged to the one call); the default
+timed at every shape and format. Times are medians of ``triton.testing.do_bench`` over a
+CUDA-graph replay of one call (the host's launch overhead excluded, as a compiled
+``reduce-overhead`` decode step sees it, but the graph's own launch, several µs on the GPU,
+charged to the one call), after one untimed timing of the default; the default
 configuration and SDPA are also timed in a graph of :data:`STEP_LAYERS` calls over as many
 copies of the cache (per call: a model's decode step, where the graph launch is shared by
 all layers), and the default eagerly, through the op, and with the bool mask transformers

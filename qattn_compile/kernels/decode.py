@@ -350,21 +350,28 @@ def _row_groups(x, GLP: tl.constexpr):
 
 
 @triton.jit
+def _stored_block(blk, n_blocks):
+    """Block index ``blk`` clamped to the ``n_blocks`` stored ones: blocks past the last (a
+    ragged last tile, the tile after a split's last) re-read the last, and a cache with no
+    stored block reads block 0, so every address stays inside the storage."""
+    return tl.minimum(blk, tl.maximum(n_blocks - 1, 0))
+
+
+@triton.jit
 def _load_meta(ptr, tile, n_blocks, m_blk, ch, ch_ok, BPI: tl.constexpr):
     """Step or lo ``[BPI, C]`` (``ptr``'s dtype) of the blocks of tile ``tile`` at the code
-    columns' channels ``ch``: ``ptr`` points at ``[NB, D]`` rows ``m_blk`` apart. Blocks past the
-    last (a ragged last tile, or the tile after the last) re-read the last one, and a cache with
-    no compressed block reads block 0."""
-    blk = tl.minimum(tile * BPI + tl.arange(0, BPI), tl.maximum(n_blocks - 1, 0))
+    columns' channels ``ch``: ``ptr`` points at ``[NB, D]`` rows ``m_blk`` apart; blocks clamped
+    by :func:`_stored_block`."""
+    blk = _stored_block(tile * BPI + tl.arange(0, BPI), n_blocks)
     return tl.load(ptr + blk[:, None] * m_blk + ch[None, :], mask=ch_ok[None, :], other=0)
 
 
 @triton.jit
 def _tile_rows(tile, toks, n_blocks, BPI: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Token rows ``[BPI·BLOCK_N]`` of tile ``tile``'s codes. Clamped per block (a ragged last
-    tile, or the tile after the last, re-reads the last block; none: block 0), so that Triton
-    sees 64 consecutive rows (one base, constant offsets)."""
-    blk = tl.minimum(tile * BPI + toks // BLOCK_N, tl.maximum(n_blocks - 1, 0))
+    """Token rows ``[BPI·BLOCK_N]`` of tile ``tile``'s codes, clamped per block
+    (:func:`_stored_block`), so that Triton sees 64 consecutive rows (one base, constant
+    offsets)."""
+    blk = _stored_block(tile * BPI + toks // BLOCK_N, n_blocks)
     return blk * BLOCK_N + toks % BLOCK_N
 
 
@@ -385,7 +392,7 @@ def _prefetch_tile(ptr, tile, n_blocks, stride_t: tl.constexpr, BPI: tl.constexp
                    LINES: tl.constexpr, L1: tl.constexpr):
     """Ask the L1 (else the L2) cache for the packed rows of tile ``tile``: ``LINES`` 128-byte
     lines from its first block's first row, clamped to the last stored block's."""
-    first = tl.minimum(tile * BPI, tl.maximum(n_blocks - 1, 0)) * BLOCK_N * stride_t
+    first = _stored_block(tile * BPI, n_blocks) * BLOCK_N * stride_t
     end = tl.maximum(n_blocks, 1) * BLOCK_N * stride_t - 1
     _prefetch(ptr + tl.minimum(first + tl.arange(0, LINES) * 128, end), L1)
 
@@ -516,7 +523,7 @@ def _compressed_part(
             # into L1: this tile's value rows (read after the softmax) and the next tile's block
             # metadata (read at the end of this one)
             _prefetch_tile(codes_ptr + c_kv, tile, n_blocks, c_t, BPI, BLOCK_N, LINES, True)
-            nb = tl.minimum(nxt * BPI, tl.maximum(n_blocks - 1, 0)) * m_blk + (meta_rows // 2) * m_kv
+            nb = _stored_block(nxt * BPI, n_blocks) * m_blk + (meta_rows // 2) * m_kv
             _prefetch(tl.where(meta_rows % 2 == 0, step_ptr + nb, lo_ptr.to(step_ptr.dtype) + nb), True)
         if L2_AHEAD and LINES > 0:  # into L2: the next tile of this split (the last asks for itself)
             ahead = tl.where(nxt < n_tiles, nxt, tile)
@@ -781,6 +788,12 @@ def _mask_args(attn_mask: Tensor | None, q: Tensor, device: torch.device):
     return kind, mask, tuple(mask.stride()), mask.shape[-1]
 
 
+def _carries_keys(head_dim: int) -> bool:
+    """Whether ``prefetch="keys"`` carries the INT4 key words at this head dim: rows of 16
+    int32 words only (:func:`default_prefetch`)."""
+    return padded_words(head_dim, 4) == 16
+
+
 def default_prefetch(int4_heads: int, int2_heads: int, head_dim: int, tiles_per_split: int) -> str:
     """The prefetch mode (:data:`PREFETCH_MODES`) for a cache with these heads whose splits get
     ``tiles_per_split`` tiles of the capacity.
@@ -804,7 +817,7 @@ def default_prefetch(int4_heads: int, int2_heads: int, head_dim: int, tiles_per_
         return "none"
     if tiles_per_split >= L2_PREFETCH_MIN_TILES:
         return "l2"
-    return "keys" if int4_heads and padded_words(head_dim, 4) == 16 else "none"
+    return "keys" if int4_heads and _carries_keys(head_dim) else "none"
 
 
 def _launch_prefetch(mode: str, head_dim: int, codes4: Tensor, codes2: Tensor, bpi: int,
@@ -818,7 +831,7 @@ def _launch_prefetch(mode: str, head_dim: int, codes4: Tensor, codes2: Tensor, b
             return 0
         return triton.next_power_of_2(max(1, bpi * KV_CACHE_BLOCK * codes.stride(3) // 128))
 
-    carry = mode == "keys" and padded_words(head_dim, 4) == 16
+    carry = mode == "keys" and _carries_keys(head_dim)
     return {"LINES4": lines(codes4), "LINES2": lines(codes2), "CARRY4": carry, "L2_AHEAD": mode == "l2"}
 
 
