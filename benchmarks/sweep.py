@@ -35,6 +35,12 @@ CANDIDATES = {  # name -> (block_m, block_n, num_warps, num_stages, tma)
     "ptr 128x64 w4 s3": (128, 64, 4, 3, False),
     "ptr 64x64 w4 s3": (64, 64, 4, 3, False),
     "tma 128x64 w4 s3": (128, 64, 4, 3, True),
+    "tma 128x128 w8 s3": (128, 128, 8, 3, True),
+    "tma 128x128 w8 s4": (128, 128, 8, 4, True),
+    "tma 64x128 w4 s2": (64, 128, 4, 2, True),
+    "tma 64x128 w4 s3": (64, 128, 4, 3, True),
+    "tma 64x64 w4 s3": (64, 64, 4, 3, True),
+    "tma 64x64 w4 s4": (64, 64, 4, 4, True),
 }
 
 

@@ -226,16 +226,17 @@ def sas_exp2(y, thr_log2, c0, c1, c2, c3):
 
 
 @triton.jit
-def softmax_probs(y, thr_log2, c0, c1, c2, c3, P_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
-                  EXACT_FP8: tl.constexpr):
-    """Probabilities of the shifted scores ``y = S·log2 e − m`` (``[BLOCK_M, BLOCK_N]``).
+def softmax_probs(s, shift, thr_log2, c0, c1, c2, c3, P_FMT: tl.constexpr,
+                  EXP_MODE: tl.constexpr, EXACT_FP8: tl.constexpr):
+    """Probabilities of scores ``s`` (``[BLOCK_M, BLOCK_N]``, log2 units) shifted by the
+    per-row ``shift`` (``[BLOCK_M]``, the max they are taken against).
 
     P = 1 maps to ``pmax`` = 127 (INT8), 255 (UINT8), 448 (FP8) or 1 (native). Returns
     ``(p, row_sum)``: ``p`` in the format the ``P·V`` dot takes (P_UINT8 already shifted by
     −128) and the per-row sum that ``l`` accumulates, in ``pmax`` units: of the quantized P
     for INT8/UINT8, of the float P before rounding for FP8/native (native P stays float32;
-    :func:`pv_product` casts it to V's dtype). With the hardware exp, ``pmax`` is folded into
-    the exponent: ``exp2(y + log2 pmax)``.
+    :func:`pv_product` casts it to V's dtype). With the hardware exp, ``pmax`` and the shift
+    are one per-row bias of the exponent: ``exp2(s + (log2 pmax − shift))``, one add per score.
     """
     if P_FMT == P_INT8:
         log2_pmax = 6.988684686772166  # log2(127)
@@ -250,9 +251,9 @@ def softmax_probs(y, thr_log2, c0, c1, c2, c3, P_FMT: tl.constexpr, EXP_MODE: tl
         log2_pmax = 0.0
         pmax = 1.0
     if EXP_MODE == EXP_SAS:
-        p = sas_exp2(y, thr_log2, c0, c1, c2, c3) * pmax
+        p = sas_exp2(s - shift[:, None], thr_log2, c0, c1, c2, c3) * pmax
     else:
-        p = tl.math.exp2(y + log2_pmax)
+        p = tl.math.exp2(s + (log2_pmax - shift)[:, None])
     if P_FMT == P_INT8 or P_FMT == P_UINT8:
         p_int = rint_to_int32(p)
         row_sum = tl.sum(p_int, axis=1).to(tl.float32)
@@ -375,8 +376,8 @@ def _tile_step(
             weight = tl.math.exp2(m_tile - m_use)
         else:
             p_shift = m_use
-        p, row_sum = softmax_probs(s - p_shift[:, None], thr_log2, c0, c1, c2, c3, P_FMT,
-                                   EXP_MODE, EXACT_FP8)
+        p, row_sum = softmax_probs(s, p_shift, thr_log2, c0, c1, c2, c3, P_FMT, EXP_MODE,
+                                   EXACT_FP8)
         if USE_TMA and V_FMT == V_NATIVE:
             v = v_desc.load([start_n, 0])
         elif USE_TMA:
@@ -389,11 +390,14 @@ def _tile_step(
         else:
             v_colsum = 0
         pv = pv_product(p, v, v_colsum, P_FMT, DOT_PRECISION)
-        if V_SCALE == VS_TILE:
-            pv = pv * tl.load(vs_base + (start_n // V_GROUP) * svsg)
+        # The tile's V scale and P weight are one per-row factor: one multiply per element.
         if P_TILE_MAX:
-            pv = pv * weight[:, None]
             row_sum = row_sum * weight
+            if V_SCALE == VS_TILE:
+                weight = weight * tl.load(vs_base + (start_n // V_GROUP) * svsg)
+            pv = pv * weight[:, None]
+        elif V_SCALE == VS_TILE:
+            pv = pv * tl.load(vs_base + (start_n // V_GROUP) * svsg)
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + row_sum
         m_i = m_new

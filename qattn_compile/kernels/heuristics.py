@@ -55,29 +55,28 @@ _PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", 
 _DIMS = (32, 64, 128, 256)
 
 # Defaults per operand width (bytes of the dot operands) × padded head dim × arch.
-# sm90, from benchmarks/sweep.py on the H100 (triton 3.6, B=4, H=32, N=8192, kernel alone):
-# at D=128, 128×128 tiles with TMA loads, 8 warps, 2 stages are fastest or tied for every
-# preset (int_flash 511 vs 450 TOPS with 128×64 pointer loads, fp8 522 vs 466, sage2_4b 345 vs
-# 271, sage2_8b and flash tied); at D=64 the 128×64 pointer-load tiles stay (flash 397 vs
-# 309 with 128×128). At D=64 the 8-bit dots want 4 warps: 128×64 tiles, 4 warps, 3 stages
-# beat 8 warps for every quantized preset (sage2_8b 341 vs 248 TOPS non-causal, 322 vs 238
-# causal; int_flash 336 vs 254). TMA loads win for sage2_8b (385 vs 379 non-causal, 363 vs
-# 358 causal, with one K scale per key tile) and int_flash (335 vs 324, 317 vs 307); pointer
-# loads for fmha_int8 (345 vs 296, 296 vs 278), fp8 (460 vs 423, 424 vs 405), turbo (211 vs
-# 201) and sage2_4b (270 vs 258 causal). 256-wide heads need 8 warps on a 64-row tile.
+# sm90, from benchmarks/sweep.py on the H100 (triton 3.6, B=4, H=32, N=8192, kernel alone;
+# benchmarks/RESULTS.md, session 9). One warpgroup per program (4 warps, 64 query rows) wins
+# at D=64 and D=128: the ~210-245 registers of a 64-row program let two programs share an SM
+# and run unsynchronised, so one's softmax overlaps the other's tensor-core work. An 8-warp
+# 128-row program keeps its two warpgroups in lockstep at the barriers that guard its shared
+# buffers, and Nsight showed each warp waiting on its own MMAs (D=128 non-causal / causal,
+# TOPS: sage2_8b 422 / 403 with 128×128 tiles and 8 warps, 610 / 579 with 64×128 and 4 warps;
+# int_flash 513 / 473 → 630 / 576; fp8 568 / 526 → 738 / 687). 64×64 tiles (≈160 registers,
+# three programs per SM) win for flash at D=128 and for sage2_8b and turbo at D=64; sage2_4b
+# keeps 128×64 pointer loads at D=64. 256-wide heads need 8 warps on a 64-row tile.
 # Warp specialization is not used: Triton 3.6 miscompiles our loop with it
 # (benchmarks/NOTES.md).
-_SM90_D128 = AttentionConfig(128, 128, 8, 2, tma=True)
-_SM90_8BIT_SMALL = AttentionConfig(128, 64, 4, 3, tma=True)
-_SM90_8BIT_SMALL_PTR = AttentionConfig(128, 64, 4, 3)
+_SM90_ONE_WARPGROUP = AttentionConfig(64, 128, 4, 3, tma=True)
+_SM90_ONE_WARPGROUP_SQUARE = AttentionConfig(64, 64, 4, 3, tma=True)
 _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
-    ("8bit", 32, "sm90"): _SM90_8BIT_SMALL,
-    ("8bit", 64, "sm90"): _SM90_8BIT_SMALL,
-    ("8bit", 128, "sm90"): _SM90_D128,
+    ("8bit", 32, "sm90"): _SM90_ONE_WARPGROUP,
+    ("8bit", 64, "sm90"): _SM90_ONE_WARPGROUP,
+    ("8bit", 128, "sm90"): _SM90_ONE_WARPGROUP,
     ("8bit", 256, "sm90"): AttentionConfig(64, 32, 8, 2),
     ("16bit", 32, "sm90"): AttentionConfig(128, 64, 4, 3),
-    ("16bit", 64, "sm90"): AttentionConfig(128, 64, 4, 3),
-    ("16bit", 128, "sm90"): _SM90_D128,
+    ("16bit", 64, "sm90"): AttentionConfig(64, 128, 4, 2, tma=True),
+    ("16bit", 128, "sm90"): _SM90_ONE_WARPGROUP_SQUARE,
     ("16bit", 256, "sm90"): AttentionConfig(64, 32, 8, 2),
     ("32bit", 32, "sm90"): AttentionConfig(64, 32, 4, 2),
     ("32bit", 64, "sm90"): AttentionConfig(64, 32, 4, 2),
@@ -98,11 +97,17 @@ _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
     ("32bit", 256, "sm80"): AttentionConfig(32, 32, 4, 1),
 }
 
-# Measured per-preset winners that differ from their family default.
+# Measured per-preset winners that differ from their family default (D=64 non-causal /
+# causal TOPS: sage2_8b 420 / 397 with 64×64 against 368 / 346; turbo 217 / 206 with 64×64,
+# its per-block V forbids 128-key tiles; sage2_4b 296 / 288 with 128×64 pointer loads against
+# 248 / 236). D=32 (not measured) follows D=64.
 _MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
-    (preset, dim, "sm90"): _SM90_8BIT_SMALL_PTR
-    for preset in ("fmha_int8", "sage2_4b", "turbo", "fp8")
-    for dim in (32, 64)
+    **{(preset, dim, "sm90"): cfg
+       for preset, cfg in (("sage2_8b", _SM90_ONE_WARPGROUP_SQUARE),
+                           ("turbo", _SM90_ONE_WARPGROUP_SQUARE),
+                           ("sage2_4b", AttentionConfig(128, 64, 4, 3)))
+       for dim in (32, 64)},
+    ("turbo", 128, "sm90"): _SM90_ONE_WARPGROUP_SQUARE,
 }
 
 
@@ -211,6 +216,9 @@ def attention_config(
 # Autotuning candidates per arch and padded head dim (besides the table entry, tried first).
 # sm90: the tiles benchmarks/sweep.py found competitive on the H100 for some preset or dim.
 _SM90_SMALL_CANDIDATES = (
+    _SM90_ONE_WARPGROUP,
+    _SM90_ONE_WARPGROUP_SQUARE,
+    AttentionConfig(64, 128, 4, 2, tma=True),
     AttentionConfig(128, 64, 4, 3, tma=True),
     AttentionConfig(128, 64, 4, 3),
     AttentionConfig(128, 64, 8, 3),
@@ -221,6 +229,9 @@ _CANDIDATES: dict[tuple[str, int], tuple[AttentionConfig, ...]] = {
     ("sm90", 32): _SM90_SMALL_CANDIDATES,
     ("sm90", 64): _SM90_SMALL_CANDIDATES,
     ("sm90", 128): (
+        _SM90_ONE_WARPGROUP,
+        _SM90_ONE_WARPGROUP_SQUARE,
+        AttentionConfig(64, 128, 4, 2, tma=True),
         AttentionConfig(128, 128, 8, 2, tma=True),
         AttentionConfig(128, 128, 8, 3, tma=True),
         AttentionConfig(128, 64, 8, 3, tma=True),
