@@ -60,6 +60,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INT2_HEADS = {"int4": 0, "mix": 4, "int2": 8}
 CLASSES = {
     "HMMA": ("HMMA",),
+    "GMMA": ("HGMMA", "IGMMA", "QGMMA"),
     "LDS/LDSM": ("LDS",),
     "STS/STSM": ("STS",),
     "LDGSTS": ("LDGSTS",),
@@ -72,6 +73,8 @@ CLASSES = {
     "PRMT": ("PRMT",),
     "F*": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP"),
     "MUFU": ("MUFU",),
+    "I2F/F2I": ("I2F", "F2I"),
+    "F2FP": ("F2FP",),
 }
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
@@ -109,7 +112,12 @@ def launch_arguments(config: decode.DecodeConfig, int2_heads: int):
 def compile_for_sm90(config: decode.DecodeConfig, int2_heads: int):
     """The decode kernel for ``config`` compiled for sm_90 (a ``CompiledKernel``)."""
     args, kwargs = launch_arguments(config, int2_heads)
-    fn = decode._flashq_decode_kernel
+    return compile_launch(decode._flashq_decode_kernel, args, kwargs)
+
+
+def compile_launch(fn, args, kwargs):
+    """The ``@triton.jit`` kernel ``fn`` compiled for sm_90 with the arguments of one launch
+    (CPU tensors stand for device ones), specialised as Triton's JIT would."""
     backend = make_backend(TARGET)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
@@ -136,7 +144,7 @@ def mma_loops(sass: str) -> list[list[str]]:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
         if target and int(target.group(1), 16) <= address and int(target.group(1), 16) in index:
             body = [op for _, op, _ in code[index[int(target.group(1), 16)]: i + 1]]
-            if any(op.startswith("HMMA") for op in body):
+            if any(op.startswith(CLASSES["HMMA"] + CLASSES["GMMA"]) for op in body):
                 loops.append(body)
     return sorted(loops, key=len, reverse=True)
 
@@ -152,17 +160,19 @@ def ttgir_movements(ttgir: str) -> Counter:
     return out
 
 
-def report(name: str, config: decode.DecodeConfig, fmt: str, dump: Path | None) -> str:
-    kernel = compile_for_sm90(config, INT2_HEADS[fmt])
+def summary(kernel, title: str, dump: Path | None, dump_name: str) -> list[str]:
+    """Registers, shared memory and, per loop with tensor-core instructions, its instruction
+    counts by class (:data:`CLASSES`) and the layout moves of the TTGIR loops; ``dump``
+    writes the TTGIR, PTX and SASS as ``dump_name.{ttgir,ptx,sass}``."""
     cubin = kernel.asm["cubin"]
     sass = _cuobjdump(cubin, "-sass")
     registers = re.search(r"REG:(\d+)", _cuobjdump(cubin, "--dump-resource-usage"))
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
-            (dump / f"{name}.{fmt}.{ext}").write_text(kernel.asm[ext])
-        (dump / f"{name}.{fmt}.sass").write_text(sass)
-    lines = [f"{name} [{fmt}] {config}: {registers.group(1) if registers else '?'} registers, "
+            (dump / f"{dump_name}.{ext}").write_text(kernel.asm[ext])
+        (dump / f"{dump_name}.sass").write_text(sass)
+    lines = [f"{title}: {registers.group(1) if registers else '?'} registers, "
              f"{kernel.metadata.shared} B shared memory"]
     for body in mma_loops(sass):
         counts = {label: sum(op.startswith(prefixes) for op in body) for label, prefixes in CLASSES.items()}
@@ -170,7 +180,12 @@ def report(name: str, config: decode.DecodeConfig, fmt: str, dump: Path | None) 
                      + ", ".join(f"{label} {n}" for label, n in counts.items() if n))
     moves = sorted(ttgir_movements(kernel.asm["ttgir"]).items())
     lines.append("  TTGIR in loops: " + ", ".join(f"{op} {n}" for op, n in moves))
-    return "\n".join(lines)
+    return lines
+
+
+def report(name: str, config: decode.DecodeConfig, fmt: str, dump: Path | None) -> str:
+    kernel = compile_for_sm90(config, INT2_HEADS[fmt])
+    return "\n".join(summary(kernel, f"{name} [{fmt}] {config}", dump, f"{name}.{fmt}"))
 
 
 def main() -> None:

@@ -1,0 +1,130 @@
+"""The attention kernel compiled for the H100 (sm_90) on a CPU machine: registers, shared
+memory, and instructions per key tile by class. No GPU needed.
+
+Run on the CPU machine from the repository root (about 3 s per variant)::
+
+    .venv/bin/python benchmarks/attention_sass.py [--presets int_flash sage2_8b fp8] \\
+        [--dim 128] [--causal] [--dump DIR] \\
+        [NAME='{"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "tma": true}' ...]
+
+Each ``NAME=JSON`` is an :class:`~qattn_compile.kernels.heuristics.AttentionConfig` (none: the
+H100 table's entry for the preset, read from the table's internals). The operands are random tensors with the dtypes, layouts
+and scale groups of the preset's default options (:func:`operands`; int_flash, sage2_8b and
+fp8, the presets whose loops this was written to study), B=1, H=2, N=1024. They go through
+:func:`qattn_compile.kernels.launch._launch`, whose kernel call is intercepted and compiled as
+:mod:`decode_sass` does (same caveats: Triton internals, Triton 3.9 here against the GPU's
+3.6). Counts are per loop iteration, i.e. per key tile, per warp. The backward branches of
+the TMA barriers' retry loops make some listed ranges span several loops: the main loop is
+a short range with one set of score MMAs and one of P·V MMAs (GMMA 8 at 64×128, D=128). What it is good for: seeing what a kernel change does to the instructions of the loop
+(NOTES, session 9: two adds per score folded into one) before spending device time on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import decode_sass  # noqa: E402  (pops TRITON_INTERPRET before triton is imported)
+import torch
+
+from qattn_compile.blocks import SMOOTH_Q_BLOCK, group_sizes
+from qattn_compile.kernels import attention as ak
+from qattn_compile.kernels import launch
+from qattn_compile.kernels.heuristics import AttentionConfig, _table_config
+from qattn_compile.presets import resolve_options
+
+PRESETS = ("int_flash", "sage2_8b", "fp8")
+BATCH, HEADS, LENGTH = 1, 2, 1024
+
+
+class _Launch(Exception):
+    """Raised in place of the kernel launch, carrying its arguments."""
+
+
+def _scale(group: int) -> torch.Tensor:
+    """Float32 ``[B, H, n_groups]`` scales for groups of ``group`` tokens."""
+    return torch.rand(BATCH, HEADS, -(-LENGTH // group)) + 0.5
+
+
+def operands(preset: str, dim: int) -> launch.Operands:
+    """Random kernel-format operands of ``preset`` with its default options at head dim ``dim``
+    (what :mod:`qattn_compile.kernels.launch`'s ``_prepare_*`` would hand the kernel)."""
+    opts = resolve_options(preset, None)
+    shape = (BATCH, HEADS, LENGTH, dim)
+    int8 = torch.randint(-127, 128, shape, dtype=torch.int8)
+    v_t = torch.zeros(BATCH, HEADS, dim, LENGTH)  # K-major 8-bit V, [B, H, Dv, L_pad]
+    if preset == "int_flash":
+        gq, gk = group_sizes("token", LENGTH, LENGTH)
+        _, gv = group_sizes(opts.v_granularity, LENGTH, LENGTH)
+        ops = launch.Operands(int8, int8.clone(), v_t.to(torch.int8),
+                              launch._switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8,
+                                               p_tile_max=opts.p_scale == "tile"),
+                              v_scale=_scale(gv), v_group=gv, v_transposed=True)
+    elif preset == "sage2_8b":
+        gq, gk = group_sizes(opts.qk_granularity, LENGTH, LENGTH)
+        ops = launch.Operands(int8, int8.clone(), v_t.to(torch.float8_e4m3fn),
+                              launch._switches(ak.QK_INT8, ak.P_FP8, ak.V_FP8),
+                              v_scale=torch.rand(BATCH, HEADS, dim), v_per_channel=True,
+                              v_transposed=True,
+                              delta_s=torch.rand(BATCH, HEADS, LENGTH // SMOOTH_Q_BLOCK, LENGTH))
+    elif preset == "fp8":
+        gq, gk = group_sizes(opts.granularity, LENGTH, LENGTH)
+        fp8 = int8.to(torch.float8_e4m3fn)
+        ops = launch.Operands(fp8, fp8.clone(), v_t.to(torch.float8_e4m3fn),
+                              launch._switches(ak.QK_FP8, ak.P_FP8, ak.V_FP8),
+                              v_scale=_scale(gk), v_group=gk, v_transposed=True)
+    else:
+        raise ValueError(f"no operands for preset {preset!r}; choose from {PRESETS}")
+    ops.q_scale, ops.q_group = _scale(gq), gq
+    ops.k_scale, ops.k_group = _scale(gk), gk
+    return ops
+
+
+def compile_for_sm90(preset: str, dim: int, causal: bool, cfg: AttentionConfig):
+    """The attention kernel as :func:`launch._launch` would run it for ``preset``, compiled
+    for sm_90 (a ``CompiledKernel``)."""
+    out = torch.empty(BATCH, HEADS, LENGTH, dim, dtype=torch.bfloat16)
+
+    class Intercept:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise _Launch(args, kwargs)
+            return run
+
+    saved = launch.launcher, launch.interpreted, launch.ensure_tma_allocator
+    launch.launcher = lambda kernel, like: Intercept()
+    launch.interpreted = lambda device: False
+    launch.ensure_tma_allocator = lambda: None
+    try:
+        launch._launch(operands(preset, dim), out, (BATCH, HEADS, HEADS, LENGTH, LENGTH, dim),
+                       None, causal, 0.1, cfg, "ieee")
+    except _Launch as call:
+        args, kwargs = call.args
+    else:
+        raise RuntimeError("the attention kernel was not launched")
+    finally:
+        launch.launcher, launch.interpreted, launch.ensure_tma_allocator = saved
+    return decode_sass.compile_launch(ak.attention_kernel, args, kwargs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="*", help="NAME=JSON AttentionConfig fields (default: the table's)")
+    parser.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dump", type=Path, help="write TTGIR/PTX/SASS of each variant here")
+    args = parser.parse_args()
+    for preset in args.presets:
+        table = _table_config(preset, args.dim, "sm90", torch.bfloat16)
+        variants = [v.partition("=") for v in args.variants] or [("table", "=", "")]
+        for name, _, fields in variants:
+            cfg = AttentionConfig(**json.loads(fields)) if fields else table
+            kernel = compile_for_sm90(preset, args.dim, args.causal, cfg)
+            title = f"{name} {preset} D={args.dim}{' causal' if args.causal else ''} {cfg}"
+            print("\n".join(decode_sass.summary(kernel, title, args.dump, f"{name}.{preset}")))
+
+
+if __name__ == "__main__":
+    main()
