@@ -62,9 +62,11 @@ _DIMS = (32, 64, 128, 256)
 # 128-row program keeps its two warpgroups in lockstep at the barriers that guard its shared
 # buffers, and Nsight showed each warp waiting on its own MMAs (D=128 non-causal / causal,
 # TOPS: sage2_8b 422 / 403 with 128×128 tiles and 8 warps, 610 / 579 with 64×128 and 4 warps;
-# int_flash 513 / 473 → 630 / 576; fp8 568 / 526 → 738 / 687). 64×64 tiles (≈160 registers,
-# three programs per SM) win for flash at D=128 and for sage2_8b and turbo at D=64; sage2_4b
-# keeps 128×64 pointer loads at D=64. 256-wide heads need 8 warps on a 64-row tile.
+# int_flash 513 / 473 → 630 / 576; fp8 568 / 526 → 738 / 687). 64×64 tiles (sage2_8b: 162
+# registers at D=128, 122 at D=64, so three or four programs per SM) win for flash at D=128
+# and for sage2_8b and turbo at D=64; sage2_4b keeps 128×64 pointer loads at D=64. 256-wide
+# heads need 8 warps on a 64-row tile. The 128-row program's lockstep is our reading of that
+# profile; the sweep is what chose the tiles.
 # Warp specialization is not used: Triton 3.6 miscompiles our loop with it
 # (benchmarks/NOTES.md).
 _SM90_ONE_WARPGROUP = AttentionConfig(64, 128, 4, 3, tma=True)
