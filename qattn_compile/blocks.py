@@ -25,6 +25,12 @@ when the caller does not pass the kernel's key tile (``key_tile``). A kernel's t
 ``block_n`` from :mod:`qattn_compile.kernels.heuristics` (64 or 128 on GPUs, 32 under the
 interpreter); tests pass it so that reference and kernel quantize P over the same keys."""
 KV_CACHE_BLOCK = QUANT_BLOCK_KV  # tokens per FlashQ KV-cache block (turbo's B_c: the prefill's INT8 groups)
+V_KEY_BLOCK = 32
+"""Tokens per block within which the attention kernel's 8-bit V (transposed ``[B, H, D,
+L_pad]``) stores its tokens permuted, so that the attention kernel's 8-bit P·V dot takes P
+straight from the registers the score MMA left it in (no shuffles between lanes):
+:func:`qattn_compile.kernels.primitives.v_column_of_token` gives the order, and ``L_pad``
+is a whole number of these blocks (padding tokens are stored as zeros)."""
 
 
 def group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:

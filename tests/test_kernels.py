@@ -31,6 +31,7 @@ import triton.language as tl  # noqa: E402
 from qattn_compile.blocks import QUANT_BLOCK_KV, SMOOTH_Q_BLOCK, group_sizes  # noqa: E402
 from qattn_compile.kernels import kernel_attention, prepare_attention, supports  # noqa: E402
 from qattn_compile.kernels import attention as attn  # noqa: E402
+from qattn_compile.kernels import primitives as prim  # noqa: E402
 from qattn_compile.kernels import quantize as kq  # noqa: E402
 from qattn_compile.lowering import quantize as lowered  # noqa: E402
 from qattn_compile.kernels.mask import (  # noqa: E402
@@ -131,10 +132,14 @@ def test_quantize_int_transposed_and_static():
     got = kq.quantize_int(x, QUANT_BLOCK_KV, 8, transpose=True)
     ref_q, ref_scale = rq.quantize_int(x, QUANT_BLOCK_KV, 8)
     assert got.data.shape == (2, 1, 32, 64)  # [B, H, D, L_pad]
-    assert torch.equal(got.data[..., :50].transpose(-1, -2), ref_q)
+    assert torch.equal(kq.v_in_token_order(got.data, 50), ref_q)
+    stored = lowered.v_column_of_token(torch.arange(50))
+    padding = torch.ones(64, dtype=torch.bool)
+    padding[stored] = False
+    assert padding.sum() == 14 and not got.data[..., padding].any()  # zeros, not garbage
     assert torch.equal(got.scale, ref_scale)
     with_sums = kq.quantize_int(x, 50, 8, transpose=True, colsum_chunk=32)  # fmha_int8's V
-    values = with_sums.data[..., :50].transpose(-1, -2).to(torch.int32)
+    values = kq.v_in_token_order(with_sums.data, 50).to(torch.int32)
     padded = torch.nn.functional.pad(values, (0, 0, 0, 14))  # 64 tokens = 2 chunks of 32
     assert torch.equal(with_sums.colsum, padded.reshape(2, 1, 2, 32, 32).sum(dim=3))
     static = kq.quantize_int(x, 50, 8, amax=1.5)  # values beyond α saturate
@@ -147,7 +152,7 @@ def test_quantize_fp8_bit_exact(group):
     x = (torch.randn(1, 2, 77, 64) * 5).to(torch.float16)
     got = kq.quantize_fp8(x, group, transpose=group == 64)
     ref_q, ref_scale = rq.quantize_fp8(x, group)
-    data = got.data[..., :77].transpose(-1, -2) if group == 64 else got.data
+    data = kq.v_in_token_order(got.data, 77) if group == 64 else got.data
     assert torch.equal(data.view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(got.scale, ref_scale)
 
@@ -160,7 +165,7 @@ def test_quantize_fp8_per_channel(smooth):
     if smooth:
         torch.testing.assert_close(got.mean, v.mean(dim=-2, keepdim=True), rtol=0, atol=1e-6)
     ref_q, ref_scale = rq.quantize_fp8_per_channel(src)
-    assert torch.equal(got.data[..., :45].transpose(-1, -2).view(torch.uint8),
+    assert torch.equal(kq.v_in_token_order(got.data, 45).view(torch.uint8),
                        ref_q.view(torch.uint8))
     assert torch.equal(got.scale, ref_scale)
 
@@ -208,13 +213,13 @@ def test_lowered_int8_quantizer_matches_the_kernel(group):
         got_data, got_scale = lowered.quantize_int8(x, group, **kwargs)
         want = kq.quantize_int(x, group, 8, **kwargs)
         assert torch.equal(got_data, want.data) and torch.equal(got_scale, want.scale), kwargs
-    got_data, _ = lowered.quantize_int8(x, group, transposed_length=48)
+    got_data, _ = lowered.quantize_int8(x, group, transposed_length=64)
     want = kq.quantize_int(x, group, 8, transpose=True)
-    assert got_data.shape == want.data.shape == (1, 3, 40, 48)
-    assert torch.equal(got_data[..., :45], want.data[..., :45]) and not got_data[..., 45:].any()
+    assert got_data.shape == want.data.shape == (1, 3, 40, 64)
+    assert torch.equal(got_data, want.data)  # same token order, padding zeros in both
 
 
-@pytest.mark.parametrize("length, padded", [(64, 64), (45, 48)])
+@pytest.mark.parametrize("length, padded", [(64, 64), (45, 64)])
 def test_lowered_transposed_values_keep_the_kernels_layout(length, padded):
     """Under tracing (fake tensors, as inside torch.compile) the torch-form INT8 V is laid out
     as the quantizer kernel writes it, ``[B, H, D, L_pad]`` with tokens contiguous, also when
@@ -246,6 +251,39 @@ def test_attention_on_lowered_quantizers(preset, monkeypatch):
     monkeypatch.setattr(lowered, "decomposed", lambda x: True)
     out, _, _ = check_against_reference(q, k, v, preset, is_causal=True)
     assert (out.float() - quantizer_kernels.float()).abs().max() <= 2e-3
+
+
+# ------------------------------------------------------------------------------------------
+# the 8-bit V's token order: what the quantizer stores and what the kernel relabels agree
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _v_order_probe(p_ptr, relabelled_ptr, columns_ptr, M: tl.constexpr, N: tl.constexpr):
+    """``in_v_key_order`` of an ``[M, N]`` tile, and ``v_column_of_token`` of ``0 … N−1``."""
+    rows, cols = tl.arange(0, M), tl.arange(0, N)
+    p = tl.load(p_ptr + rows[:, None] * N + cols[None, :])
+    tl.store(relabelled_ptr + rows[:, None] * N + cols[None, :], prim.in_v_key_order(p))
+    tl.store(columns_ptr + cols, prim.v_column_of_token(cols))
+
+
+def test_v_token_order_kernel_and_torch_forms_agree():
+    """The quantizer stores token ``t`` at column ``v_column_of_token(t)``; the kernel's
+    relabelled P must hold at column ``c`` the score of the token stored there, and the torch
+    forms (the lowering's INT8 V, ``v_in_token_order``) must use the same map."""
+    m, n = 2, 128
+    p = torch.arange(m * n, dtype=torch.int32).reshape(m, n)
+    relabelled = torch.empty_like(p)
+    columns = torch.empty(n, dtype=torch.int32)
+    _v_order_probe[(1,)](p, relabelled, columns, M=m, N=n)
+    tokens = torch.arange(n)
+    assert torch.equal(columns.long(), lowered.v_column_of_token(tokens))
+    assert sorted(columns.tolist()) == tokens.tolist()  # a permutation within 32-token blocks
+    assert torch.equal((columns // 32).long(), tokens // 32)
+    token_at = lowered.v_token_of_column(tokens)
+    assert torch.equal(lowered.v_column_of_token(token_at), tokens)
+    assert torch.equal(relabelled, p[:, token_at])
+    assert not torch.equal(token_at, tokens)  # the order is not the identity
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,10 +21,12 @@ softmax scale and log2(e) are folded into Q's scale). Switches:
   :data:`EXP_SAS` (TurboAttention's SAS: 2^floor by exponent bits × cubic on the fraction,
   scores below the threshold → 0, tiles with no score above it skipped).
 - ``V_FMT``: :data:`V_NATIVE` (``[L, Dv]`` rows), :data:`V_INT8` / :data:`V_FP8`
-  (transposed ``[Dv, L_pad]``, K-major for Hopper's 8-bit MMAs). ``V_SCALE``:
-  :data:`VS_NONE`, :data:`VS_TILE` (one scale per ``V_GROUP`` tokens, applied to each tile's
-  ``P·V``; ``BLOCK_N`` divides ``V_GROUP``) or :data:`VS_CHANNEL` (per channel, per tensor with
-  stride 0, applied once at the end). ``SMOOTH_V`` adds the V mean back to O.
+  (transposed ``[Dv, L_pad]``, K-major for Hopper's 8-bit MMAs, tokens in the storage order
+  of :mod:`.quantize`; the 8-bit P is relabelled to match by
+  :func:`~.primitives.in_v_key_order`). ``V_SCALE``: :data:`VS_NONE`, :data:`VS_TILE` (one
+  scale per ``V_GROUP`` tokens, applied to each tile's ``P·V``; ``BLOCK_N`` divides
+  ``V_GROUP``) or :data:`VS_CHANNEL` (per channel, per tensor with stride 0, applied once at
+  the end). ``SMOOTH_V`` adds the V mean back to O.
 - ``MASK_MODE``: :data:`MASK_NONE`, :data:`MASK_BOOL`, :data:`MASK_ADD` (tensor masks read
   through the per-tile summary of :mod:`.mask`), combined with ``IS_CAUSAL`` (top-left).
   Key tiles run in two phases: tiles that need no bounds/causal masking, then the diagonal /
@@ -41,8 +43,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import blocks
 from . import mask as mask_codes
-from .primitives import load_tile, rint_to_int32, split_int4, store_tile, to_fp8_e4m3
+from .primitives import (
+    in_v_key_order,
+    load_tile,
+    rint_to_int32,
+    split_int4,
+    store_tile,
+    to_fp8_e4m3,
+)
 
 QK_NATIVE = tl.constexpr(0)
 QK_INT8 = tl.constexpr(1)
@@ -77,6 +87,7 @@ TILE_FULL = tl.constexpr(mask_codes.TILE_FULL)
 TILE_MIXED = tl.constexpr(mask_codes.TILE_MIXED)
 
 LOG2E = tl.constexpr(1.4426950408889634)
+V_KEY_BLOCK = tl.constexpr(blocks.V_KEY_BLOCK)
 
 
 # ----------------------------------------------------------------------------- loads
@@ -123,9 +134,10 @@ def kv_descriptors(k_base, v_base, Lkv, skl, svl, svd, QK_FMT: tl.constexpr,
 
     K: ``[Lkv, D]`` rows (INT4: ``ceil(D/2)`` bytes), boxes ``[BLOCK_N, BLOCK_D]``
     (``BLOCK_D / 2`` bytes for INT4). V: native ``[Lkv, Dv]`` rows, boxes ``[BLOCK_N,
-    BLOCK_DV]``; 8-bit K-major ``[Dv, Lkv]`` (token stride 1), boxes ``[BLOCK_DV, BLOCK_N]``.
-    Reads beyond ``Lkv`` or the head dim return 0, so ragged tiles need no bounds masks;
-    the launcher guarantees the 16-byte alignment of bases and row strides.
+    BLOCK_DV]``; 8-bit K-major ``[Dv, L_pad]`` (token stride 1; :func:`v_columns`), boxes
+    ``[BLOCK_DV, BLOCK_N]``. Reads beyond the lengths or the head dim return 0, so ragged
+    tiles need no bounds masks; the launcher guarantees the 16-byte alignment of bases and
+    row strides.
     """
     if QK_FMT == QK_INT4:
         k_desc = tl.make_tensor_descriptor(k_base, shape=[Lkv, (HEAD_D + 1) // 2],
@@ -137,9 +149,16 @@ def kv_descriptors(k_base, v_base, Lkv, skl, svl, svd, QK_FMT: tl.constexpr,
         v_desc = tl.make_tensor_descriptor(v_base, shape=[Lkv, HEAD_DV], strides=[svl, 1],
                                            block_shape=[BLOCK_N, BLOCK_DV])
     else:
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[HEAD_DV, Lkv], strides=[svd, 1],
-                                           block_shape=[BLOCK_DV, BLOCK_N])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[HEAD_DV, v_columns(Lkv)],
+                                           strides=[svd, 1], block_shape=[BLOCK_DV, BLOCK_N])
     return k_desc, v_desc
+
+
+@triton.jit
+def v_columns(Lkv):
+    """Columns of the 8-bit V ``[Dv, L_pad]`` that hold tokens or their zero padding: whole
+    blocks of its storage order (the quantizer's ``L_pad`` is at least this)."""
+    return tl.cdiv(Lkv, V_KEY_BLOCK) * V_KEY_BLOCK
 
 
 @triton.jit
@@ -152,7 +171,7 @@ def load_v_tile(v_base, offs_n, svl, svd, Lkv, V_FMT: tl.constexpr, HEAD_DV: tl.
         v = load_tile(v_base, offs_n, offs_dv, svl, svd, Lkv, HEAD_DV, 0.0, MASK_ROWS,
                       HEAD_DV != BLOCK_DV)
     else:
-        v_t = load_tile(v_base, offs_dv, offs_n, svd, svl, HEAD_DV, Lkv, 0.0,
+        v_t = load_tile(v_base, offs_dv, offs_n, svd, svl, HEAD_DV, v_columns(Lkv), 0.0,
                         HEAD_DV != BLOCK_DV, MASK_ROWS)
         v = tl.trans(v_t)
     return v
@@ -273,7 +292,10 @@ def softmax_probs(s, shift, thr_log2, c0, c1, c2, c3, P_FMT: tl.constexpr,
 def pv_product(p, v, v_colsum, P_FMT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``P·V`` of one tile as float32 ``[BLOCK_M, BLOCK_DV]`` (a fresh product, not yet
     accumulated). P_UINT8: ``(P − 128)·V̂ + 128·colsum(V̂)`` in int32, exactly ``P̂·V̂``
-    (``v_colsum``: int32 ``[BLOCK_DV]`` channel sums of the tile's V̂, from the quantizer)."""
+    (``v_colsum``: int32 ``[BLOCK_DV]`` channel sums of the tile's V̂, from the quantizer).
+    8-bit P is relabelled into the 8-bit V's token order first (:func:`in_v_key_order`)."""
+    if P_FMT != P_NATIVE:
+        p = in_v_key_order(p)
     if P_FMT == P_INT8:
         pv = tl.dot(p, v, out_dtype=tl.int32).to(tl.float32)
     elif P_FMT == P_UINT8:

@@ -114,6 +114,38 @@ def to_fp8_e4m3(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def v_column_of_token(token):
+    """Column of the 8-bit transposed V at which ``token`` (int tensor) is stored: tokens keep
+    their block of :data:`~qattn_compile.blocks.V_KEY_BLOCK` (32; the bit map below is for
+    that size) and, within it, the bits ``(h, j, t1, t0, e)`` of the offset become
+    ``(h, t1, t0, j, e)``.
+
+    Why: a thread of a Hopper MMA's accumulator holds score columns ``8j + 2t + e`` (``t`` =
+    lane mod 4), while an 8-bit MMA operand taken from registers wants four consecutive
+    reduction indices ``4t … 4t + 3`` per thread. :func:`in_v_key_order` relabels P's columns
+    by the same map, so each thread's P values already sit where the P·V MMA reads them.
+    """
+    block = token & -32
+    offset = token & 31
+    return (block | (offset & 16) | (((offset >> 1) & 3) << 2) | (((offset >> 3) & 1) << 1)
+            | (offset & 1))
+
+
+@triton.jit
+def in_v_key_order(p):
+    """P ``[M, N]`` (``N`` a multiple of 32) with its columns in the order of the 8-bit V's
+    stored tokens: column ``c`` of the result is the token that :func:`v_column_of_token`
+    stores at ``c``. A reshape and a permutation that Triton lowers without moving data
+    between lanes when ``p`` is in a Hopper MMA accumulator layout (CPU SASS, session 9:
+    8 of 16 shuffles and 8 of 16 byte permutes per 64×64 tile gone)."""
+    M: tl.constexpr = p.shape[0]
+    N: tl.constexpr = p.shape[1]
+    # token offset bits (h, j, t, e) = (16, 8, 2·2, 1) -> column bits (h, t, j, e)
+    by_bits = tl.reshape(p, (M, N // 32, 2, 2, 4, 2))
+    return tl.reshape(tl.permute(by_bits, (0, 1, 2, 4, 3, 5)), (M, N))
+
+
+@triton.jit
 def _tile_mask(rows, cols, n_rows, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
     """Bounds mask of an ``[R, C]`` tile (``[R, 1]`` / ``[1, C]`` / ``[R, C]``), or None."""
     if MASK_ROWS and MASK_COLS:

@@ -10,7 +10,9 @@ Layouts (every tensor is ``[B, H, L, D]`` on input, any strides):
 - INT8 values: int8 ``[B, H, L, D]`` row-major (D contiguous: K-major for ``Q·Kᵀ``).
 - INT4 values: uint8 ``[B, H, L, ceil(D / 2)]``, two per byte, low nibble = even channel.
 - 8-bit V for the ``P·V`` dot: ``[B, H, D, L_pad]`` (transposed, token axis contiguous, the
-  K-major layout Hopper's 8-bit MMAs need), ``L_pad`` = L rounded up to 16 tokens.
+  K-major layout Hopper's 8-bit MMAs need), ``L_pad`` = L rounded up to 32 tokens, tokens
+  permuted within blocks of 32 (:func:`~.primitives.v_column_of_token`; the attention
+  kernel relabels P the same way), padding tokens 0. :func:`v_in_token_order` undoes it.
 - Scales: float32 ``[B, H, n_groups]`` per token group, ``[B, H, D]`` per channel.
 
 Kernels:
@@ -37,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..blocks import V_KEY_BLOCK
 from ..lowering import quantize as lowered
 from ..reference.quant import AMAX_MIN, FP8_E4M3_MAX
 from ..reference.quant import INT_QMAX as REF_INT_QMAX
@@ -49,6 +52,7 @@ from .primitives import (
     rint_to_int32,
     store_tile,
     to_fp8_e4m3,
+    v_column_of_token,
 )
 
 # The quantizer contract's constants come from the reference (one source of truth).
@@ -65,7 +69,7 @@ _OUT_INT = tl.constexpr(0)
 _OUT_INT4_PACKED = tl.constexpr(1)
 _OUT_FP8 = tl.constexpr(2)
 
-_TOKEN_ALIGN = 16  # L_pad of transposed 8-bit V (16-byte rows for TMA later)
+_TOKEN_ALIGN = V_KEY_BLOCK  # L_pad of transposed 8-bit V: whole blocks of its token order
 _MAX_TILE_GROUP = 128  # largest token group a quantizer tile reduces by itself
 _STATS_CHUNK = 256  # tokens per program of the statistics kernel
 
@@ -140,7 +144,7 @@ def _token_stats_kernel(
 @triton.jit
 def _quantize_kernel(
     x_ptr, mean_ptr, scale_in_ptr, q_ptr, scale_out_ptr, colsum_ptr,
-    L, D, n_heads, mean_group, scale_group, scale_mul,
+    L, L_out, D, n_heads, mean_group, scale_group, scale_mul,
     sxb, sxh, sxl, sxd,
     smb, smh, smg,
     ssb, ssh, ssg,
@@ -149,7 +153,7 @@ def _quantize_kernel(
     QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
     SCALE_MODE: tl.constexpr, GROUP: tl.constexpr, SUB_MEAN: tl.constexpr,
     OUT_FMT: tl.constexpr, EXACT_FP8: tl.constexpr, COLSUM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    V_ORDER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Quantize tokens ``[t0, t0 + BLOCK_T)`` of one (batch, head) (grid ``(cdiv(L, BLOCK_T),
     B*H)``).
@@ -161,7 +165,9 @@ def _quantize_kernel(
     from ``scale_in`` per group (token ``t`` → ``t // scale_group``, strides ``ssb, ssh,
     ssg``) or per channel (channel ``d`` at ``ssg * d``).
     Output (``OUT_FMT``): INT (int8), INT4 packed (int8 bytes, ``sqd`` = 1 byte per pair of
-    channels) or FP8 e4m3, at strides ``sqb, sqh, sql, sqd`` (transposed layouts are strides).
+    channels) or FP8 e4m3, at strides ``sqb, sqh, sql, sqd`` (transposed layouts are strides),
+    tokens ``< L_out`` (``L_out`` > ``L``: padding tokens written as 0). ``V_ORDER``: token
+    ``t`` goes to position :func:`~.primitives.v_column_of_token` ``(t)`` (the 8-bit V).
     ``COLSUM`` > 0 (INT only): also the int32 channel sums of the quantized values per chunk
     of ``COLSUM`` tokens, ``colsum[bh, chunk, d]`` (``[B*H, n_colsum, D]`` contiguous).
     """
@@ -198,15 +204,19 @@ def _quantize_kernel(
         scale = scale[None, :]
     y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
     q_base = q_ptr + b * sqb + h * sqh
+    if V_ORDER:
+        out_rows = v_column_of_token(rows)
+    else:
+        out_rows = rows
     if OUT_FMT == _OUT_FP8:
-        store_tile(q_base, to_fp8_e4m3(y, EXACT_FP8), rows, cols, sql, sqd, L, D)
+        store_tile(q_base, to_fp8_e4m3(y, EXACT_FP8), out_rows, cols, sql, sqd, L_out, D)
     elif OUT_FMT == _OUT_INT4_PACKED:
         packed = pack_int4(rint_to_int32(y).to(tl.int8), BLOCK_T, BLOCK_D)
         half_cols = tl.arange(0, BLOCK_D // 2)
         store_tile(q_base, packed, rows, half_cols, sql, sqd, L, (D + 1) // 2)
     else:
         q_int = rint_to_int32(y)
-        store_tile(q_base, q_int.to(tl.int8), rows, cols, sql, sqd, L, D)
+        store_tile(q_base, q_int.to(tl.int8), out_rows, cols, sql, sqd, L_out, D)
         if COLSUM > 0:
             chunks: tl.constexpr = BLOCK_T // COLSUM
             sums = tl.sum(tl.reshape(q_int, (chunks, COLSUM, BLOCK_D)), axis=1)
@@ -319,8 +329,11 @@ def _launch_quantize(
     scale_mul: float,
     colsum: Tensor | None = None,
     colsum_chunk: int = 0,
+    transposed: bool = False,
 ) -> Tensor:
-    """Run :func:`_quantize_kernel` over ``x`` ``[B, H, L, D]`` into ``out`` (given strides).
+    """Run :func:`_quantize_kernel` over ``x`` ``[B, H, L, D]`` into ``out`` (given strides;
+    ``transposed``: ``out`` is the 8-bit V ``[B, H, D, L_pad]``, tokens in its order and the
+    padding written as zeros).
 
     ``scale_in`` ``None``: scales computed per in-tile group of ``group`` tokens and returned
     (float32 ``[B, H, n_groups]``, times ``scale_mul``); otherwise ``scale_in`` (float32
@@ -344,12 +357,12 @@ def _launch_quantize(
     exact = interpreted(x.device)
     launcher(_quantize_kernel, x)[(triton.cdiv(length, block_t), bsz * heads)](
         x, mean_t, sin, out, scale_out, colsum if colsum is not None else scale_out,
-        length, dim, heads, mean_group, group, scale_mul,
-        *x.stride(), *mean_strides, *sin_strides, *out_strides, n_groups,
+        length, out.shape[-1] if transposed else length, dim, heads, mean_group, group,
+        scale_mul, *x.stride(), *mean_strides, *sin_strides, *out_strides, n_groups,
         colsum.shape[2] if colsum is not None else 0,
         QMAX=qmax, AMAX_FLOOR=AMAX_MIN, SCALE_MODE=mode, GROUP=group if in_tile else 1,
         SUB_MEAN=mean is not None, OUT_FMT=out_fmt, EXACT_FP8=exact,
-        COLSUM=colsum_chunk if colsum is not None else 0,
+        COLSUM=colsum_chunk if colsum is not None else 0, V_ORDER=transposed,
         BLOCK_T=block_t, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
     return scale_out if in_tile else None
@@ -429,7 +442,7 @@ def quantize_int(
     scale = _launch_quantize(
         x, view, strides, qmax=qmax, out_fmt=out_fmt, group=group, scale_in=scale_in,
         per_channel=False, mean=mean, mean_group=mean_group, scale_mul=scale_mul,
-        colsum=colsum, colsum_chunk=colsum_chunk,
+        colsum=colsum, colsum_chunk=colsum_chunk, transposed=transpose,
     )
     if scale is None:
         scale = scale_in * scale_mul
@@ -455,7 +468,7 @@ def quantize_fp8(
     scale = _launch_quantize(
         x, data, _value_strides(data, transpose), qmax=FP8_MAX, out_fmt=int(_OUT_FP8),
         group=group, scale_in=scale_in, per_channel=False, mean=None, mean_group=1,
-        scale_mul=scale_mul,
+        scale_mul=scale_mul, transposed=transpose,
     )
     if scale is None:
         scale = scale_in * scale_mul
@@ -479,7 +492,7 @@ def quantize_fp8_per_channel(
     _launch_quantize(
         x, data, _value_strides(data, transpose), qmax=FP8_MAX, out_fmt=int(_OUT_FP8),
         group=1, scale_in=scale, per_channel=True, mean=mean if smooth else None,
-        mean_group=max(length, 1), scale_mul=1.0,
+        mean_group=max(length, 1), scale_mul=1.0, transposed=transpose,
     )
     return Quantized(data, scale, 1, per_channel=True, transposed=transpose,
                      mean=mean if smooth else None)
@@ -518,8 +531,17 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float) 
     return out
 
 
+def v_in_token_order(data: Tensor, length: int) -> Tensor:
+    """The values ``[B, H, length, D]`` of a transposed 8-bit V ``[B, H, D, L_pad]`` in token
+    order (undoes the storage order of the module docstring; for tests and inspection)."""
+    columns = lowered.v_column_of_token(torch.arange(length, device=data.device))
+    as_bytes = data.view(torch.uint8)  # gathers are not implemented for every 8-bit dtype
+    return as_bytes.index_select(-1, columns).transpose(-1, -2).view(data.dtype)
+
+
 def _padded_length(length: int) -> int:
-    """``L_pad`` of a transposed 8-bit V: ``length`` rounded up to whole 16-token rows."""
+    """``L_pad`` of a transposed 8-bit V: ``length`` rounded up to whole blocks of
+    :data:`~qattn_compile.blocks.V_KEY_BLOCK` tokens (also 16-byte rows for TMA)."""
     return triton.cdiv(max(length, 1), _TOKEN_ALIGN) * _TOKEN_ALIGN
 
 

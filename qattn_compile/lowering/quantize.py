@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..blocks import V_KEY_BLOCK
 from ..reference import quant, smooth
 
 
@@ -48,7 +49,8 @@ def quantize_int8(
     ``mean`` (float32 ``[B, H, n, D]``, row ``t // mean_group`` for token ``t``) is
     subtracted first; ``amax`` is a static amax (float or broadcastable to ``[B, H,
     n_groups]``). ``data``: int8 ``[B, H, L, D]``, or with ``transposed_length`` int8 ``[B,
-    H, D, transposed_length]`` (tokens contiguous, zero-padded: the 8-bit V layout).
+    H, D, transposed_length]`` (tokens contiguous in the 8-bit V's storage order, zero-padded:
+    the layout of :mod:`qattn_compile.kernels.quantize`).
     """
     length = x.shape[-2]
     values = x.float()
@@ -56,10 +58,26 @@ def quantize_int8(
         values = values - smooth.expand_blocks(mean, mean_group or length, length)
     data, scale = quant.quantize_int(values, group, 8, amax=amax)
     if transposed_length is not None:
-        # contiguous: with no padding to add, pad keeps the transposed view's strides, which
-        # TMA cannot address (the attention kernel then falls back to pointer loads)
-        data = F.pad(data.transpose(-1, -2), (0, transposed_length - length)).contiguous()
+        # the kernels' storage order of V's tokens, padding zeros; contiguous (TMA-addressable)
+        padded = F.pad(data.transpose(-1, -2), (0, transposed_length - length))
+        tokens = v_token_of_column(torch.arange(transposed_length, device=data.device))
+        data = padded.index_select(-1, tokens).contiguous()
     return data, scale * scale_mul
+
+
+def v_column_of_token(token: Tensor) -> Tensor:
+    """Torch form of :func:`qattn_compile.kernels.primitives.v_column_of_token`: the column of
+    the transposed 8-bit V at which each token (int tensor) is stored."""
+    offset = token % V_KEY_BLOCK
+    return (token - offset) + (offset & 16) + (((offset >> 1) & 3) << 2) \
+        + (((offset >> 3) & 1) << 1) + (offset & 1)
+
+
+def v_token_of_column(column: Tensor) -> Tensor:
+    """The inverse of :func:`v_column_of_token`: the token stored at each column."""
+    offset = column % V_KEY_BLOCK
+    return (column - offset) + (offset & 16) + (((offset >> 1) & 1) << 3) \
+        + (((offset >> 2) & 3) << 1) + (offset & 1)
 
 
 def smooth_mean(x: Tensor, group: int | None = None) -> Tensor:
