@@ -207,3 +207,19 @@ def test_random_inputs_keep_the_memory_order_of_the_call():
     x = torch.empty(2, 5, 3, 4).transpose(1, 2)  # [B, H, L, D] stored [B, L, H, D]
     made = autotune.random_like_layout(x.shape, x.stride(), torch.float16, CPU)
     assert made.shape == x.shape and made.stride() == x.stride() and made.dtype == torch.float16
+
+
+def test_native_pv_sage2_takes_its_own_h100_tile(monkeypatch):
+    """sage2_8b with ``pv: fp16`` runs its P·V on 16-bit operands; on the H100 the table gives
+    it the tile measured for that (128×64), not the FP8-P·V preset's (64×128)."""
+    from qattn_compile.kernels import heuristics
+
+    monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
+    q, k, v = (torch.randn(1, 2, 40, 128, dtype=torch.float16) for _ in range(3))
+    plans = {pv: prepare_attention(q, k, v, preset="sage2_8b", options={"pv": pv}).cfg
+             for pv in ("fp16", "fp8")}
+    assert plans == {"fp16": AttentionConfig(128, 64, 4, 3, tma=True),
+                     "fp8": AttentionConfig(64, 128, 4, 3, tma=True)}
+    d64 = prepare_attention(*(t[..., :64] for t in (q, k, v)), preset="sage2_8b",
+                            options={"pv": "fp16"}).cfg
+    assert d64 == AttentionConfig(64, 64, 4, 3, tma=True)  # no entry of its own at D=64

@@ -112,6 +112,13 @@ _MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
     ("turbo", 128, "sm90"): _SM90_ONE_WARPGROUP_SQUARE,
 }
 
+# Quantized Q·Kᵀ with a native (16-bit) P·V, e.g. sage2 with ``pv: fp16``, where it differs
+# from the preset's entry: sage2_8b at D=128, 526 / 499 TOPS (non-causal / causal) with 128×64
+# TMA tiles and 4 warps against 474 / 433 with the preset's 64×128 (sweep, session 9).
+_NATIVE_PV: dict[tuple[str, int, str], AttentionConfig] = {
+    ("sage2_8b", 128, "sm90"): AttentionConfig(128, 64, 4, 3, tma=True),
+}
+
 
 def _family(preset: str, dtype: torch.dtype) -> str:
     """Operand width family: quantized presets use 8-bit dots, ``flash`` the input dtype."""
@@ -177,11 +184,16 @@ def _constrained(cfg: AttentionConfig, per_block_v: bool, smooth_q: bool) -> Att
     return cfg
 
 
-def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype) -> AttentionConfig:
-    """The table entry (or the interpreter's tile) before the constraints."""
+def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype,
+                  native_pv: bool = False) -> AttentionConfig:
+    """The table entry (or the interpreter's tile) before the constraints; ``native_pv``: the
+    preset's P·V runs on native (16-bit) P and V (:data:`_NATIVE_PV`)."""
     if arch == "interp":
         return _INTERP_ATTENTION
-    return _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), padded_dim(head_dim), arch)]
+    dim = padded_dim(head_dim)
+    if native_pv and (preset, dim, arch) in _NATIVE_PV:
+        return _NATIVE_PV[(preset, dim, arch)]
+    return _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), dim, arch)]
 
 
 def attention_config(
@@ -192,6 +204,7 @@ def attention_config(
     *,
     per_block_v: bool = False,
     smooth_q: bool = False,
+    native_pv: bool = False,
     override: AttentionConfig | None = None,
 ) -> AttentionConfig:
     """Tile sizes for the attention kernel of ``preset`` at ``head_dim`` on ``device`` for
@@ -201,11 +214,13 @@ def attention_config(
     ``per_block_v``/``smooth_q`` state which divisibility constraints (module docstring)
     apply: a table entry is shrunk to meet them (e.g. ``int_flash`` with per-block V keeps
     64-token key tiles); an ``override`` that breaks one raises ``ValueError``.
+    ``native_pv``: a quantized preset whose P·V runs in 16 bits (sage2's ``pv: fp16``).
     """
     if override is not None:
         cfg = override
     else:
-        cfg = _constrained(_table_config(preset, head_dim, arch_of(device), dtype), per_block_v, smooth_q)
+        table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv)
+        cfg = _constrained(table, per_block_v, smooth_q)
     if cfg.block_n % V_COLSUM_TOKENS:
         raise ValueError(f"block_n={cfg.block_n} must be a multiple of {V_COLSUM_TOKENS}")
     if per_block_v and QUANT_BLOCK_KV % cfg.block_n:
@@ -266,13 +281,14 @@ def attention_candidates(
     *,
     per_block_v: bool = False,
     smooth_q: bool = False,
+    native_pv: bool = False,
 ) -> list[AttentionConfig]:
     """The configs :mod:`.autotune` times for ``preset`` at ``head_dim`` on ``device``: the
     table entry first, then the arch's candidates, each shrunk to the constraints that
     apply (as :func:`attention_config`), without duplicates. A candidate may still not fit
     the GPU's shared memory; the tuner skips those."""
     arch = arch_of(device)
-    first = _table_config(preset, head_dim, arch, dtype)
+    first = _table_config(preset, head_dim, arch, dtype, native_pv)
     out: list[AttentionConfig] = []
     for cfg in (first, *_CANDIDATES[(arch, padded_dim(head_dim))]):
         cfg = _constrained(cfg, per_block_v, smooth_q)

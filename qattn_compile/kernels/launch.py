@@ -432,12 +432,14 @@ def prepare_attention(
     ops = _PREPARE[preset](q, k, v, opts, qk_mul, static)
     per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
     smooth_q = ops.delta_s is not None
+    native_pv = preset != "flash" and int(ops.switches["P_FMT"]) == int(ak.P_NATIVE)
     if config is None and getattr(opts, "autotune", False):
         candidates = attention_candidates(preset, max(dim, dv), q.device, q.dtype,
-                                          per_block_v=per_block_v, smooth_q=smooth_q)
+                                          per_block_v=per_block_v, smooth_q=smooth_q,
+                                          native_pv=native_pv)
         config = _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale, candidates)
     cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, per_block_v=per_block_v,
-                           smooth_q=smooth_q, override=config)
+                           smooth_q=smooth_q, native_pv=native_pv, override=config)
     mask = plan_mask(attn_mask, (bsz, hq, lq, lkv), cfg.block_m, cfg.block_n, bool(is_causal))
     quantize_out = preset == "fmha_int8" and opts.quantize_output
     logger.debug("qattn kernel %s on %s: cfg=%s", preset, arch_of(q.device), cfg)
