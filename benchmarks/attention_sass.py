@@ -38,10 +38,6 @@ PRESETS = ("int_flash", "sage2_8b", "fp8")
 BATCH, HEADS, LENGTH = 1, 2, 1024
 
 
-class _Launch(Exception):
-    """Raised in place of the kernel launch, carrying its arguments."""
-
-
 def _scale(group: int) -> torch.Tensor:
     """Float32 ``[B, H, n_groups]`` scales for groups of ``group`` tokens."""
     return torch.rand(BATCH, HEADS, -(-LENGTH // group)) + 0.5
@@ -85,26 +81,12 @@ def compile_for_sm90(preset: str, dim: int, causal: bool, cfg: AttentionConfig):
     """The attention kernel as :func:`launch._launch` would run it for ``preset``, compiled
     for sm_90 (a ``CompiledKernel``)."""
     out = torch.empty(BATCH, HEADS, LENGTH, dim, dtype=torch.bfloat16)
-
-    class Intercept:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                raise _Launch(args, kwargs)
-            return run
-
-    saved = launch.launcher, launch.interpreted, launch.ensure_tma_allocator
-    launch.launcher = lambda kernel, like: Intercept()
-    launch.interpreted = lambda device: False
-    launch.ensure_tma_allocator = lambda: None
-    try:
-        launch._launch(operands(preset, dim), out, (BATCH, HEADS, HEADS, LENGTH, LENGTH, dim),
-                       None, causal, 0.1, cfg, "ieee")
-    except _Launch as call:
-        args, kwargs = call.args
-    else:
-        raise RuntimeError("the attention kernel was not launched")
-    finally:
-        launch.launcher, launch.interpreted, launch.ensure_tma_allocator = saved
+    args, kwargs = decode_sass.capture_launch(
+        launch,
+        lambda: launch._launch(operands(preset, dim), out, (BATCH, HEADS, HEADS, LENGTH, LENGTH, dim),
+                               None, causal, 0.1, cfg, "ieee"),
+        launcher=lambda kernel, like: decode_sass.INTERCEPT, interpreted=lambda device: False,
+        ensure_tma_allocator=lambda: None)
     return decode_sass.compile_launch(ak.attention_kernel, args, kwargs)
 
 

@@ -83,6 +83,35 @@ class _Launch(Exception):
     """Raised in place of the kernel launch, carrying its arguments."""
 
 
+class _Intercept:
+    """Stands for a ``@triton.jit`` kernel: ``kernel[grid](...)`` raises :class:`_Launch`."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise _Launch(args, kwargs)
+        return launch
+
+
+INTERCEPT = _Intercept()
+
+
+def capture_launch(module, run, **replacements):
+    """``(args, kwargs)`` of the first kernel launch that ``run()`` makes with ``module``'s
+    attributes replaced as given (the kernel, or what returns it, replaced by or returning
+    :data:`INTERCEPT`); the attributes are restored afterwards."""
+    saved = {name: getattr(module, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(module, name, value)
+    try:
+        run()
+    except _Launch as call:
+        return call.args
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+    raise RuntimeError(f"no kernel was launched by {module.__name__}")
+
+
 def launch_arguments(config: decode.DecodeConfig, int2_heads: int):
     """(args, kwargs) the launcher passes to the decode kernel for a small cache of the
     benchmark's head layout."""
@@ -91,22 +120,8 @@ def launch_arguments(config: decode.DecodeConfig, int2_heads: int):
     k = torch.randn(2, 8, 2000, 128, dtype=torch.bfloat16)
     layer.append(k, torch.randn_like(k))
     q = torch.randn(2, 32, 1, 128, dtype=torch.bfloat16)
-
-    class Intercept:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise _Launch(args, kwargs)
-            return launch
-
-    kernel, interpreted = decode._flashq_decode_kernel, decode.interpreted
-    decode._flashq_decode_kernel, decode.interpreted = Intercept(), (lambda device: None)
-    try:
-        decode.flashq_decode_triton(q, layer.tensors(), None, None, config)
-    except _Launch as launch:
-        return launch.args
-    finally:
-        decode._flashq_decode_kernel, decode.interpreted = kernel, interpreted
-    raise RuntimeError("the decode kernel was not launched")
+    return capture_launch(decode, lambda: decode.flashq_decode_triton(q, layer.tensors(), None, None, config),
+                          _flashq_decode_kernel=INTERCEPT, interpreted=lambda device: None)
 
 
 def compile_for_sm90(config: decode.DecodeConfig, int2_heads: int):

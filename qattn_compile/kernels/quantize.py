@@ -69,7 +69,6 @@ _OUT_INT = tl.constexpr(0)
 _OUT_INT4_PACKED = tl.constexpr(1)
 _OUT_FP8 = tl.constexpr(2)
 
-_TOKEN_ALIGN = V_KEY_BLOCK  # L_pad of transposed 8-bit V: whole blocks of its token order
 _MAX_TILE_GROUP = 128  # largest token group a quantizer tile reduces by itself
 _STATS_CHUNK = 256  # tokens per program of the statistics kernel
 
@@ -542,7 +541,7 @@ def v_in_token_order(data: Tensor, length: int) -> Tensor:
 def _padded_length(length: int) -> int:
     """``L_pad`` of a transposed 8-bit V: ``length`` rounded up to whole blocks of
     :data:`~qattn_compile.blocks.V_KEY_BLOCK` tokens (also 16-byte rows for TMA)."""
-    return triton.cdiv(max(length, 1), _TOKEN_ALIGN) * _TOKEN_ALIGN
+    return triton.cdiv(max(length, 1), V_KEY_BLOCK) * V_KEY_BLOCK
 
 
 def _alloc_8bit(x: Tensor, dtype: torch.dtype, transpose: bool) -> Tensor:
