@@ -220,6 +220,8 @@ def test_native_pv_sage2_takes_its_own_h100_tile(monkeypatch):
              for pv in ("fp16", "fp8")}
     assert plans == {"fp16": AttentionConfig(128, 64, 4, 3, tma=True),
                      "fp8": AttentionConfig(64, 128, 4, 3, tma=True)}
-    d64 = prepare_attention(*(t[..., :64] for t in (q, k, v)), preset="sage2_8b",
-                            options={"pv": "fp16"}).cfg
-    assert d64 == AttentionConfig(64, 64, 4, 3, tma=True)  # no entry of its own at D=64
+    d64 = {pv: prepare_attention(*(t[..., :64] for t in (q, k, v)), preset="sage2_8b",
+                                 options={"pv": pv}).cfg
+           for pv in ("fp16", "fp8")}
+    assert d64 == {"fp16": AttentionConfig(64, 128, 4, 3, tma=True),  # no entry of its own
+                   "fp8": AttentionConfig(64, 128, 4, 3, tma=True)}

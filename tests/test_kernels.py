@@ -33,6 +33,7 @@ from qattn_compile.kernels import kernel_attention, prepare_attention, supports 
 from qattn_compile.kernels import attention as attn  # noqa: E402
 from qattn_compile.kernels import primitives as prim  # noqa: E402
 from qattn_compile.kernels import quantize as kq  # noqa: E402
+from qattn_compile.kernels.heuristics import AttentionConfig  # noqa: E402
 from qattn_compile.lowering import quantize as lowered  # noqa: E402
 from qattn_compile.kernels.mask import (  # noqa: E402
     TILE_FULL,
@@ -302,7 +303,7 @@ def _scores_probe(q_ptr, k_ptr, out_ptr, Lq, Lkv, sql, skl, QK_FMT: tl.constexpr
     k, k2 = attn.load_qk_tile(k_ptr, offs_n, skl, 1, Lkv, QK_FMT, HEAD_D, BLOCK_D, True)
     ones_m = tl.full((BLOCK_M,), 1.0, tl.float32)
     ones_n = tl.full((BLOCK_N,), 1.0, tl.float32)
-    s = attn.qk_scores(q, q2, k, k2, ones_m, ones_n, 1.0, QK_FMT, "ieee")
+    s, _ = attn.qk_scores(q, q2, k, k2, ones_m, ones_n, 1.0, QK_FMT, "ieee", BLOCK_N)
     tl.store(out_ptr + offs_m[:, None] * BLOCK_N + offs_n[None, :], s)
 
 
@@ -448,6 +449,30 @@ def test_preset_options(preset, options):
     q, k, v = make_qkv(lq=70, lkv=140, d=64, k_outliers=True)
     v = v + 2.0  # a V channel offset (what smooth_v removes)
     check_against_reference(q, k, v, preset, options)
+
+
+@pytest.mark.parametrize(
+    "preset,options",
+    [("sage2_8b", None), ("sage2_4b", None), ("sage2_8b", {"qk_granularity": "block",
+     "smooth_q": False}), ("fp8", None), ("int_flash", None), ("flash", None)],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_tile_spanning_several_k_scale_groups(preset, options, causal):
+    """128-key tiles: sage2's K scales come per QUANT_BLOCK_KV = 64 keys, two per tile,
+    applied per half of the tile's scores (the last tile's second group lies past Lkv =
+    150); fp8's per-tensor, int_flash's per-key and flash's scalar scale leave the row scale
+    to the exponent. K's second group is 10× larger, so a scale applied to the wrong keys
+    shows as a large error."""
+    assert QUANT_BLOCK_KV == 64
+    q, k, v = make_qkv(lq=40, lkv=150, d=32, k_outliers=True)
+    k[:, :, 64:128] *= 10.0
+    out = prepare_attention(q, k, v, None, causal, None, preset, options,
+                            config=AttentionConfig(32, 128, 4, 1)).run()
+    ref = reference_attention(q, k, v, preset=preset, options=options, key_tile=128,
+                              is_causal=causal)
+    exact = exact_attention(q, k, v, is_causal=causal)
+    err_k, err_r = rel_l1(out, exact), rel_l1(ref, exact)
+    assert err_k <= 1.05 * err_r + EPS, f"{preset}: kernel {err_k:.5f} vs reference {err_r:.5f}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -204,18 +204,33 @@ def _load_group_scale(base, offs, n, stride, GROUP: tl.constexpr, MASKED: tl.con
 
 @triton.jit
 def qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, K_PER_TILE: tl.constexpr = False):
+              DOT_PRECISION: tl.constexpr, K_SCALES: tl.constexpr,
+              ROW_SCALE_OUT: tl.constexpr = False):
     """Scores ``[BLOCK_M, BLOCK_N]`` in log2 units from Q and K tiles as returned by
     :func:`load_qk_tile` (``q2``/``k2``: the odd channels for INT4, else unused).
 
     Native: ``(Q·Kᵀ)·qk_scale`` (qk_scale = softmax scale·log2 e). Quantized:
     ``(Q̂·K̂ᵀ)·q_scale[:, None]·k_scale[None, :]`` with the softmax scale and log2 e already
-    in ``q_scale``; integer formats accumulate in int32 (exact). ``K_PER_TILE``: ``k_scale``
-    is the tile's one scale (a scalar), folded into the row scales first (one multiply per
-    score instead of two).
+    in ``q_scale``; integer formats accumulate in int32 (exact). ``K_SCALES``: how many
+    scales ``k_scale`` holds for the tile (chosen by :func:`_tile_step`): 1, the tile's one
+    scale (a scalar); ``BLOCK_N``, one per key; in between, one per ``BLOCK_N // K_SCALES``
+    consecutive keys (``[K_SCALES]``). Fewer than ``BLOCK_N`` are folded into the row scales
+    first (one multiply per score instead of two; the scores are viewed as ``[BLOCK_M,
+    K_SCALES, BLOCK_N // K_SCALES]``, a relabelling of registers).
+
+    Returns ``(s, 1.0)``, or with ``ROW_SCALE_OUT`` (``K_SCALES`` 1 or ``BLOCK_N``)
+    ``(t, row_scale)``: the scores are ``t·row_scale[:, None]`` with ``row_scale`` float32
+    ``[BLOCK_M]``, positive, left for the exponent's multiply-add (:func:`softmax_probs`),
+    which saves one multiply per score.
     """
+    M: tl.constexpr = q.shape[0]
     if QK_FMT == QK_NATIVE:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if ROW_SCALE_OUT:
+            row_scale = tl.zeros((M,), tl.float32) + qk_scale
+        else:
+            s = s * qk_scale
+            row_scale = 1.0
     else:
         if QK_FMT == QK_FP8:
             raw = tl.dot(q, tl.trans(k))
@@ -224,11 +239,26 @@ def qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT: tl.constexpr,
             raw = (raw_int + tl.dot(q2, tl.trans(k2), out_dtype=tl.int32)).to(tl.float32)
         else:
             raw = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-        if K_PER_TILE:
-            s = raw * (q_scale * k_scale)[:, None]
+        N: tl.constexpr = raw.shape[1]
+        tl.static_assert(not ROW_SCALE_OUT or K_SCALES == 1 or K_SCALES == N)
+        row_scale = 1.0
+        if K_SCALES == 1:
+            if ROW_SCALE_OUT:
+                s = raw
+                row_scale = q_scale * k_scale
+            else:
+                s = raw * (q_scale * k_scale)[:, None]
+        elif K_SCALES == N:
+            if ROW_SCALE_OUT:
+                s = raw * k_scale[None, :]
+                row_scale = q_scale
+            else:
+                s = raw * q_scale[:, None] * k_scale[None, :]
         else:
-            s = raw * q_scale[:, None] * k_scale[None, :]
-    return s
+            by_group = tl.reshape(raw, (M, K_SCALES, N // K_SCALES))
+            scale = q_scale[:, None] * k_scale[None, :]
+            s = tl.reshape(by_group * scale[:, :, None], (M, N))
+    return s, row_scale
 
 
 @triton.jit
@@ -245,18 +275,22 @@ def sas_exp2(y, thr_log2, c0, c1, c2, c3):
 
 
 @triton.jit
-def softmax_probs(s, shift, thr_log2, c0, c1, c2, c3, P_FMT: tl.constexpr,
-                  EXP_MODE: tl.constexpr, EXACT_FP8: tl.constexpr):
-    """Probabilities of scores ``s`` (``[BLOCK_M, BLOCK_N]``, log2 units) shifted by the
-    per-row ``shift`` (``[BLOCK_M]``, the max they are taken against).
+def softmax_probs(s, row_scale, shift, thr_log2, c0, c1, c2, c3, P_FMT: tl.constexpr,
+                  EXP_MODE: tl.constexpr, EXACT_FP8: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """Probabilities of scores ``s`` (``[BLOCK_M, BLOCK_N]``, log2 units; with ``ROW_SCALE``
+    in units of the per-row ``row_scale`` ``[BLOCK_M]``, see :func:`qk_scores`) shifted by
+    the per-row ``shift`` (``[BLOCK_M]``, log2 units, the max they are taken against).
 
     P = 1 maps to ``pmax`` = 127 (INT8), 255 (UINT8), 448 (FP8) or 1 (native). Returns
     ``(p, row_sum)``: ``p`` in the format the ``P·V`` dot takes (P_UINT8 already shifted by
     −128) and the per-row sum that ``l`` accumulates, in ``pmax`` units: of the quantized P
     for INT8/UINT8, of the float P before rounding for FP8/native (native P stays float32;
     :func:`pv_product` casts it to V's dtype). With the hardware exp, ``pmax`` and the shift
-    are one per-row bias of the exponent: ``exp2(s + (log2 pmax − shift))``, one add per score.
+    are one per-row bias of the exponent: ``exp2(s + (log2 pmax − shift))``, one add per score
+    (with ``ROW_SCALE``, one multiply-add: ``exp2(s·row_scale + (log2 pmax − shift))``).
     """
+    if ROW_SCALE:
+        s = s * row_scale[:, None]
     if P_FMT == P_INT8:
         log2_pmax = 6.988684686772166  # log2(127)
         pmax = 127.0
@@ -359,14 +393,29 @@ def _tile_step(
         k, k2 = qk_operands(k_desc.load([start_n, 0]), QK_FMT)
     else:
         k, k2 = load_qk_tile(k_base, offs_n, skl, skd, Lkv, QK_FMT, HEAD_D, BLOCK_D, BOUNDED)
+    # K scales one key tile spans: 1 when a scale group holds the whole tile, BLOCK_N //
+    # K_GROUP (at most 4) when the tile holds whole groups, else one per key.
+    K_SCALES: tl.constexpr = (1 if K_GROUP % BLOCK_N == 0 else
+                              BLOCK_N // K_GROUP if BLOCK_N % K_GROUP == 0 and K_GROUP * 4 >= BLOCK_N
+                              else BLOCK_N)
     if QK_FMT == QK_NATIVE:
         k_scale = 1.0  # native scores take qk_scale instead
-    elif K_GROUP % BLOCK_N == 0:
+    elif K_SCALES == 1:
         k_scale = tl.load(ks_base + (start_n // K_GROUP) * sksg)  # one scale for the tile
+    elif K_SCALES < BLOCK_N:
+        groups = start_n // K_GROUP + tl.arange(0, K_SCALES)
+        if BOUNDED:
+            k_scale = tl.load(ks_base + groups * sksg, mask=groups * K_GROUP < Lkv, other=1.0)
+        else:
+            k_scale = tl.load(ks_base + groups * sksg)
     else:
         k_scale = _load_group_scale(ks_base, offs_n, Lkv, sksg, K_GROUP, BOUNDED)
-    s = qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT, DOT_PRECISION,
-                  QK_FMT != QK_NATIVE and K_GROUP % BLOCK_N == 0)
+    # Without ΔS or an additive mask, the max is taken before the rows' scale is applied
+    # (a positive factor per row), and the exponent's multiply-add applies it.
+    ROW_SCALE: tl.constexpr = (not HAS_DS and MASK_MODE != MASK_ADD
+                               and (K_SCALES == 1 or K_SCALES == BLOCK_N or QK_FMT == QK_NATIVE))
+    s, row_scale = qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT, DOT_PRECISION,
+                             K_SCALES if QK_FMT != QK_NATIVE else BLOCK_N, ROW_SCALE)
     if HAS_DS:
         if BOUNDED:
             s += tl.load(ds_row + offs_n, mask=offs_n < Lkv, other=0.0)[None, :]
@@ -380,6 +429,8 @@ def _tile_step(
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(keep, s, float("-inf"))
     m_tile = tl.max(s, axis=1)
+    if ROW_SCALE:
+        m_tile = m_tile * row_scale  # exact: rounding is monotonic
     if EXP_MODE == EXP_SAS:
         # The tile matters only if some row has a score above the threshold relative to
         # the running max (m_i can only grow, so those below stay below).
@@ -398,8 +449,8 @@ def _tile_step(
             weight = tl.math.exp2(m_tile - m_use)
         else:
             p_shift = m_use
-        p, row_sum = softmax_probs(s, p_shift, thr_log2, c0, c1, c2, c3, P_FMT, EXP_MODE,
-                                   EXACT_FP8)
+        p, row_sum = softmax_probs(s, row_scale, p_shift, thr_log2, c0, c1, c2, c3, P_FMT,
+                                   EXP_MODE, EXACT_FP8, ROW_SCALE)
         if USE_TMA and V_FMT == V_NATIVE:
             v = v_desc.load([start_n, 0])
         elif USE_TMA:

@@ -62,10 +62,9 @@ _DIMS = (32, 64, 128, 256)
 # 128-row program keeps its two warpgroups in lockstep at the barriers that guard its shared
 # buffers, and Nsight showed each warp waiting on its own MMAs (D=128 non-causal / causal,
 # TOPS: sage2_8b 422 / 403 with 128×128 tiles and 8 warps, 610 / 579 with 64×128 and 4 warps;
-# int_flash 513 / 473 → 630 / 576; fp8 568 / 526 → 738 / 687). 64×64 tiles (sage2_8b: 162
-# registers at D=128, 122 at D=64, so three or four programs per SM) win for flash at D=128
-# and for sage2_8b and turbo at D=64; sage2_4b keeps 128×64 pointer loads at D=64. 256-wide
-# heads need 8 warps on a 64-row tile. The 128-row program's lockstep is our reading of that
+# int_flash 513 / 473 → 630 / 576; fp8 568 / 526 → 738 / 687). 64×64 tiles (three or four
+# programs per SM) win for flash at D=128 and for turbo at D=64; sage2_4b keeps 128×64
+# pointer loads at D=64. 256-wide heads need 8 warps on a 64-row tile. The 128-row program's lockstep is our reading of that
 # profile; the sweep is what chose the tiles.
 # Warp specialization is not used: Triton 3.6 miscompiles our loop with it
 # (benchmarks/NOTES.md).
@@ -100,13 +99,13 @@ _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
 }
 
 # Measured per-preset winners that differ from their family default (D=64 non-causal /
-# causal TOPS: sage2_8b 420 / 397 with 64×64 against 368 / 346; turbo 217 / 206 with 64×64,
-# its per-block V forbids 128-key tiles; sage2_4b 296 / 288 with 128×64 pointer loads against
-# 248 / 236). D=32 (not measured) follows D=64.
+# causal TOPS: turbo 217 / 206 with 64×64, its per-block V forbids 128-key tiles; sage2_4b
+# 296 / 288 with 128×64 pointer loads against 248 / 236). D=32 (not measured) follows D=64.
+# sage2_8b took 64×64 at D=64 until its 128-key tiles applied their two K scales per half
+# tile instead of per key (session 10, causal: 473 with 64×128 against 422 with 64×64).
 _MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
     **{(preset, dim, "sm90"): cfg
-       for preset, cfg in (("sage2_8b", _SM90_ONE_WARPGROUP_SQUARE),
-                           ("turbo", _SM90_ONE_WARPGROUP_SQUARE),
+       for preset, cfg in (("turbo", _SM90_ONE_WARPGROUP_SQUARE),
                            ("sage2_4b", AttentionConfig(128, 64, 4, 3)))
        for dim in (32, 64)},
     ("turbo", 128, "sm90"): _SM90_ONE_WARPGROUP_SQUARE,
@@ -114,7 +113,8 @@ _MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
 
 # Quantized Q·Kᵀ with a native (16-bit) P·V, e.g. sage2 with ``pv: fp16``, where it differs
 # from the preset's entry: sage2_8b at D=128, 526 / 499 TOPS (non-causal / causal) with 128×64
-# TMA tiles and 4 warps against 474 / 433 with the preset's 64×128 (sweep, session 9).
+# TMA tiles and 4 warps against 474 / 433 with the preset's 64×128 (sweep, session 9). At
+# D=64 the preset's 64×128 wins (413 / 385 against 390 / 380 with 64×64; session 10).
 _NATIVE_PV: dict[tuple[str, int, str], AttentionConfig] = {
     ("sage2_8b", 128, "sm90"): AttentionConfig(128, 64, 4, 3, tma=True),
 }
