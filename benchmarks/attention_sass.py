@@ -34,7 +34,7 @@ from qattn_compile.kernels import launch
 from qattn_compile.kernels.heuristics import AttentionConfig, _table_config
 from qattn_compile.presets import resolve_options
 
-PRESETS = ("int_flash", "sage2_8b", "fp8")
+PRESETS = ("int_flash", "fmha_int8", "sage2_8b", "fp8")
 BATCH, HEADS, LENGTH = 1, 2, 1024
 
 
@@ -57,6 +57,14 @@ def operands(preset: str, dim: int) -> launch.Operands:
                               launch._switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8,
                                                p_tile_max=opts.p_scale == "tile"),
                               v_scale=_scale(gv), v_group=gv, v_transposed=True)
+    elif preset == "fmha_int8":
+        gq, gk = group_sizes("tensor", LENGTH, LENGTH)
+        ops = launch.Operands(int8, int8.clone(), v_t.to(torch.int8),
+                              launch._switches(ak.QK_INT8, ak.P_UINT8, ak.V_INT8,
+                                               p_tile_max=opts.p_scale == "tile"),
+                              v_scale=_scale(gk), v_group=gk, v_transposed=True)
+        ops.v_colsum = torch.zeros(BATCH, HEADS, LENGTH // launch.V_COLSUM_TOKENS, dim,
+                                   dtype=torch.int32)
     elif preset == "sage2_8b":
         gq, gk = group_sizes(opts.qk_granularity, LENGTH, LENGTH)
         ops = launch.Operands(int8, int8.clone(), v_t.to(torch.float8_e4m3fn),

@@ -199,6 +199,21 @@ def test_delta_s_many_query_blocks_gqa():
                                rtol=1e-5, atol=1e-4)
 
 
+def test_causal_delta_s_writes_every_entry_a_causal_kernel_reads():
+    """``causal=True``: ΔS rows of query block ``blk`` equal the full ΔS for every key below
+    ``(blk + 2)·SMOOTH_Q_BLOCK`` (what a causal kernel's key tiles can reach); the skipped
+    programs lie beyond that. 80 blocks: two programs of q̄ rows, the first of which skips
+    its keys past 65 blocks."""
+    q_mean = torch.randn(1, 2, 80, 32)
+    k = torch.randn(1, 1, 80 * SMOOTH_Q_BLOCK + 50, 32)
+    full = kq.delta_s(q_mean, k, None, 1.0)
+    causal = kq.delta_s(q_mean, k, None, 1.0, causal=True)
+    keys = torch.arange(k.shape[2])
+    for blk in (0, 1, 40, 63, 64, 79):
+        reach = keys < (blk + 2) * SMOOTH_Q_BLOCK
+        assert torch.equal(causal[:, :, blk, reach], full[:, :, blk, reach]), blk
+
+
 # ------------------------------------------------------------------------------------------
 # the quantizers' torch form (what Inductor fuses under torch.compile)
 # ------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Each preset maps to one :class:`Operands` — the kernel-format Q/K/V, their scales and the
 ``tl.constexpr`` switches of :func:`.attention.attention_kernel` — built by one small
-``_prepare_*`` function that states the preset's math (:mod:`qattn_compile.presets`).
-Token-group sizes come from :func:`qattn_compile.blocks.group_sizes`; tile sizes from
+``_prepare_*`` function that states the preset's math (:mod:`qattn_compile.presets`); each
+takes ``(q, k, v, options, qk_mul, static scales, causal)``. Token-group sizes come from :func:`qattn_compile.blocks.group_sizes`; tile sizes from
 :mod:`.heuristics`.
 """
 
@@ -104,12 +104,12 @@ def _with_v(ops: Operands, vq: Quantized) -> Operands:
     return ops
 
 
-def _prepare_flash(q, k, v, opts, qk_mul, static) -> Operands:
+def _prepare_flash(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """FlashAttention: native operands, exact softmax."""
     return Operands(q, k, v, _switches(ak.QK_NATIVE, ak.P_NATIVE, ak.V_NATIVE))
 
 
-def _prepare_int_flash(q, k, v, opts, qk_mul, static) -> Operands:
+def _prepare_int_flash(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """INT-FlashAttention: K optionally smoothed (``smooth_k``), Q, K INT8 per token;
     P = round(127·P) against the tile's or the running max (``p_scale``); V INT8 per
     tensor/block."""
@@ -123,7 +123,7 @@ def _prepare_int_flash(q, k, v, opts, qk_mul, static) -> Operands:
     return _with_v(_with_q(ops, qq, kq), vq)
 
 
-def _prepare_fmha_int8(q, k, v, opts, qk_mul, static) -> Operands:
+def _prepare_fmha_int8(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """INT8 FMHA: Q, K, V INT8 per tensor (dynamic or static α); P = round(255·P) (UINT8)."""
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes("tensor", lq, lkv)
@@ -137,7 +137,7 @@ def _prepare_fmha_int8(q, k, v, opts, qk_mul, static) -> Operands:
     return _with_v(_with_q(ops, qq, kq), vq)
 
 
-def _prepare_sage2(q, k, v, opts, qk_mul, static, num_bits: int) -> Operands:
+def _prepare_sage2(q, k, v, opts, qk_mul, causal, num_bits: int) -> Operands:
     """SageAttention2: smoothed INT8/INT4 Q, K (ΔS added back); ``pv: fp8``: FP8 P and FP8
     per-channel V (optionally smoothed), ``pv: fp16``: P and V in the input dtype."""
     lq, lkv = q.shape[2], k.shape[2]
@@ -157,21 +157,21 @@ def _prepare_sage2(q, k, v, opts, qk_mul, static, num_bits: int) -> Operands:
         ops.v_mean = vq.mean
         _with_v(ops, vq)
     if q_mean is not None:
-        ops.delta_s = delta_s(q_mean, k, k_mean, qk_mul)
+        ops.delta_s = delta_s(q_mean, k, k_mean, qk_mul, causal=causal)
     return _with_q(ops, qq, kq)
 
 
-def _prepare_sage2_8b(q, k, v, opts, qk_mul, static) -> Operands:
+def _prepare_sage2_8b(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """SageAttention2 8-bit (INT8 Q, K)."""
-    return _prepare_sage2(q, k, v, opts, qk_mul, static, 8)
+    return _prepare_sage2(q, k, v, opts, qk_mul, causal, 8)
 
 
-def _prepare_sage2_4b(q, k, v, opts, qk_mul, static) -> Operands:
+def _prepare_sage2_4b(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """SageAttention2 4-bit (INT4 Q, K packed two per byte)."""
-    return _prepare_sage2(q, k, v, opts, qk_mul, static, 4)
+    return _prepare_sage2(q, k, v, opts, qk_mul, causal, 4)
 
 
-def _prepare_turbo(q, k, v, opts, qk_mul, static) -> Operands:
+def _prepare_turbo(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """TurboAttention: FlashQ blockwise INT8 Q, K, V; SAS (or hardware) exp; P = round(127·P)
     against the tile's or the running max (``p_scale``)."""
     lq, lkv = q.shape[2], k.shape[2]
@@ -186,7 +186,7 @@ def _prepare_turbo(q, k, v, opts, qk_mul, static) -> Operands:
     return _with_v(_with_q(ops, qq, kq), vq)
 
 
-def _prepare_fp8(q, k, v, opts, qk_mul, static) -> Operands:
+def _prepare_fp8(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """FlashAttention-3-style FP8: Q, K, V e4m3 per tensor/block; P = fp8(448·P)."""
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes(opts.granularity, lq, lkv)
@@ -429,7 +429,7 @@ def prepare_attention(
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     tau = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     qk_mul = tau * LOG2E
-    ops = _PREPARE[preset](q, k, v, opts, qk_mul, static)
+    ops = _PREPARE[preset](q, k, v, opts, qk_mul, static, bool(is_causal))
     per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
     smooth_q = ops.delta_s is not None
     native_pv = preset != "flash" and int(ops.switches["P_FMT"]) == int(ak.P_NATIVE)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..blocks import V_KEY_BLOCK
+from ..blocks import SMOOTH_Q_BLOCK, V_KEY_BLOCK
 from ..lowering import quantize as lowered
 from ..reference.quant import AMAX_MIN, FP8_E4M3_MAX
 from ..reference.quant import INT_QMAX as REF_INT_QMAX
@@ -228,7 +228,8 @@ def _delta_s_kernel(
     qmean_ptr, k_ptr, kmean_ptr, out_ptr,
     Lkv, D, n_blocks, hq_per_kv, n_heads_q, scale_mul,
     skb, skh, skl, skd,
-    SUB_K_MEAN: tl.constexpr, PRECISION: tl.constexpr,
+    SUB_K_MEAN: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """SageAttention2's ΔS: ``ΔS[b, hq, blk, n] = scale_mul · Σ_d q̄[b, hq, blk, d] ·
@@ -240,9 +241,18 @@ def _delta_s_kernel(
     B*Hq)``: one ``[BLOCK_B, BLOCK_T]`` tile of ΔS as a float32 dot of ``BLOCK_B`` q̄ rows
     with ``BLOCK_T`` smoothed key rows (``PRECISION``: ``tf32x3`` keeps float32 accuracy on
     tensor cores; ``ieee`` under the interpreter).
+
+    ``CAUSAL``: a program whose first key lies two query blocks (``Q_BLOCK`` tokens each)
+    beyond its last block writes nothing. A causal attention kernel reads block ``blk``'s row
+    only for key tiles that start before ``(blk + 1)·Q_BLOCK`` (tiles of at most
+    ``2·Q_BLOCK`` keys, aligned to their size), so those entries are never read and stay
+    unwritten: half the output's writes at long lengths.
     """
     pid_t = tl.program_id(0)
     pid_b = tl.program_id(1)
+    if CAUSAL:
+        if pid_t * BLOCK_T >= (pid_b * BLOCK_B + BLOCK_B + 1) * Q_BLOCK:
+            return
     bhq = tl.program_id(2)
     b = bhq // n_heads_q
     hq = bhq % n_heads_q
@@ -506,12 +516,15 @@ def smooth_mean(x: Tensor, group: int | None = None) -> Tensor:
     return mean
 
 
-def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float) -> Tensor:
+def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float, *,
+            causal: bool = False) -> Tensor:
     """SageAttention2's Q-smoothing correction ``ΔS = q̄·(K − k̄)ᵀ · scale_mul``.
 
     q_mean: float32 ``[B, Hq, n_blocks, D]``; k: ``[B, Hkv, Lkv, D]``; k_mean: float32
     ``[B, Hkv, 1, D]`` or None. Returns float32 ``[B, Hq, n_blocks, Lkv]`` (query token ``t``
-    adds row ``t // SMOOTH_Q_BLOCK``).
+    adds row ``t // SMOOTH_Q_BLOCK``). ``causal`` (top-left): entries that a causal
+    attention kernel never reads (keys at least two query blocks past a block of
+    :func:`_delta_s_kernel`'s program) are left unwritten.
     """
     bsz, hq, n_blocks, dim = q_mean.shape
     hkv, lkv = k.shape[1], k.shape[2]
@@ -525,7 +538,7 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float) 
     launcher(_delta_s_kernel, k)[grid](
         q_mean.contiguous(), k, kmean, out, lkv, dim, n_blocks, hq // hkv, hq, scale_mul,
         *k.stride(), SUB_K_MEAN=k_mean is not None, PRECISION="ieee" if exact else "tf32x3",
-        BLOCK_T=cfg.block_t, BLOCK_B=block_b, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
+        CAUSAL=causal, Q_BLOCK=SMOOTH_Q_BLOCK, BLOCK_T=cfg.block_t, BLOCK_B=block_b, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
     return out
 
