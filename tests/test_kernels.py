@@ -469,14 +469,16 @@ def test_preset_options(preset, options):
 @pytest.mark.parametrize(
     "preset,options",
     [("sage2_8b", None), ("sage2_4b", None), ("sage2_8b", {"qk_granularity": "block",
-     "smooth_q": False}), ("fp8", None), ("int_flash", None), ("flash", None)],
+     "smooth_q": False}), ("fp8", None), ("int_flash", None), ("flash", None),
+     ("fmha_int8", None)],
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_key_tile_spanning_several_k_scale_groups(preset, options, causal):
+def test_128_key_tiles_over_smaller_token_groups(preset, options, causal):
     """128-key tiles: sage2's K scales come per QUANT_BLOCK_KV = 64 keys, two per tile,
     applied per half of the tile's scores (the last tile's second group lies past Lkv =
     150); fp8's per-tensor, int_flash's per-key and flash's scalar scale leave the row scale
-    to the exponent. K's second group is 10× larger, so a scale applied to the wrong keys
+    to the exponent; fmha_int8's UINT8-P correction adds four 32-token V̂ sums per tile (the
+    last tile's from padding). K's second group is 10× larger, so a scale applied to the wrong keys
     shows as a large error."""
     assert QUANT_BLOCK_KV == 64
     q, k, v = make_qkv(lq=40, lkv=150, d=32, k_outliers=True)

@@ -178,14 +178,13 @@ def load_v_tile(v_base, offs_n, svl, svd, Lkv, V_FMT: tl.constexpr, HEAD_DV: tl.
 
 
 @triton.jit
-def _load_v_colsum(cs_base, start_n, Lkv, scsc, CS_CHUNK: tl.constexpr, HEAD_DV: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr):
-    """int32 ``[BLOCK_DV]`` channel sums of V̂ over key tile ``[start_n, start_n + BLOCK_N)``,
-    added up from the quantizer's per-``CS_CHUNK``-token sums (chunk stride ``scsc``)."""
-    chunks = start_n // CS_CHUNK + tl.arange(0, BLOCK_N // CS_CHUNK)
-    sums = load_tile(cs_base, chunks, tl.arange(0, BLOCK_DV), scsc, 1, tl.cdiv(Lkv, CS_CHUNK),
-                     HEAD_DV, 0, MASKED, HEAD_DV != BLOCK_DV)
-    return tl.sum(sums, axis=0)
+def _load_v_colsum(cs_base, start_n, scsc, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    """int32 ``[BLOCK_DV]`` channel sums of V̂ over key tile ``[start_n, start_n + BLOCK_N)``
+    (one row of the launcher's per-tile sums, row stride ``scsc``)."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    return tl.load(cs_base + (start_n // BLOCK_N) * scsc + offs_dv, mask=offs_dv < HEAD_DV,
+                   other=0)
 
 
 @triton.jit
@@ -307,12 +306,14 @@ def softmax_probs(s, row_scale, shift, thr_log2, c0, c1, c2, c3, P_FMT: tl.const
         p = sas_exp2(s - shift[:, None], thr_log2, c0, c1, c2, c3) * pmax
     else:
         p = tl.math.exp2(s + (log2_pmax - shift)[:, None])
-    if P_FMT == P_INT8 or P_FMT == P_UINT8:
+    if P_FMT == P_INT8:
         p_int = rint_to_int32(p)
         row_sum = tl.sum(p_int, axis=1).to(tl.float32)
-        if P_FMT == P_UINT8:
-            p_int = p_int - 128
         p_out = p_int.to(tl.int8)
+    elif P_FMT == P_UINT8:
+        p_shifted = rint_to_int32(p, 128)
+        row_sum = (tl.sum(p_shifted, axis=1) + 128 * p.shape[1]).to(tl.float32)
+        p_out = p_shifted.to(tl.int8)
     else:
         row_sum = tl.sum(p, axis=1)
         if P_FMT == P_FP8:
@@ -326,7 +327,7 @@ def softmax_probs(s, row_scale, shift, thr_log2, c0, c1, c2, c3, P_FMT: tl.const
 def pv_product(p, v, v_colsum, P_FMT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``P·V`` of one tile as float32 ``[BLOCK_M, BLOCK_DV]`` (a fresh product, not yet
     accumulated). P_UINT8: ``(P − 128)·V̂ + 128·colsum(V̂)`` in int32, exactly ``P̂·V̂``
-    (``v_colsum``: int32 ``[BLOCK_DV]`` channel sums of the tile's V̂, from the quantizer).
+    (``v_colsum``: int32 ``[BLOCK_DV]`` channel sums of the tile's V̂, :func:`_load_v_colsum`).
     8-bit P is relabelled into the 8-bit V's token order first (:func:`in_v_key_order`)."""
     if P_FMT != P_NATIVE:
         p = in_v_key_order(p)
@@ -372,7 +373,7 @@ def _tile_step(
     QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr, V_FMT: tl.constexpr,
     V_SCALE: tl.constexpr, EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
     BOUNDED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr,
-    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, CS_CHUNK: tl.constexpr, EXACT_FP8: tl.constexpr,
+    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, EXACT_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -458,8 +459,7 @@ def _tile_step(
         else:
             v = load_v_tile(v_base, offs_n, svl, svd, Lkv, V_FMT, HEAD_DV, BLOCK_DV, BOUNDED)
         if P_FMT == P_UINT8:
-            v_colsum = _load_v_colsum(cs_base, start_n, Lkv, scsc, CS_CHUNK, HEAD_DV,
-                                      BLOCK_N, BLOCK_DV, BOUNDED)
+            v_colsum = _load_v_colsum(cs_base, start_n, scsc, HEAD_DV, BLOCK_N, BLOCK_DV)
         else:
             v_colsum = 0
         pv = pv_product(p, v, v_colsum, P_FMT, DOT_PRECISION)
@@ -505,7 +505,6 @@ def attention_kernel(
     IS_CAUSAL: tl.constexpr,
     HAS_DS: tl.constexpr, SMOOTH_V: tl.constexpr,
     Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, DS_GROUP: tl.constexpr,
-    CS_CHUNK: tl.constexpr,
     EXACT_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
@@ -518,7 +517,7 @@ def attention_kernel(
     L_pad]`` 8-bit (the launcher passes (token, channel) strides), o ``[B, Hq, Lq, Dv]``.
     Scales: qs ``[B, Hq, nq]``, ks ``[B, Hkv, nk]``, vs ``[B, Hkv, nv]`` or ``[B, Hkv, Dv]``;
     ds ``[B, Hq, n_blocks, Lkv]``; vmean ``[B, Hkv, 1, Dv]``; cs (P_UINT8) int32 ``[B, Hkv,
-    cdiv(Lkv, CS_CHUNK), Dv]`` channel sums of V̂; mask ``[B, Hq, Lq, Lkv]`` and
+    cdiv(Lkv, BLOCK_N), Dv]`` channel sums of V̂ per key tile; mask ``[B, Hq, Lq, Lkv]`` and
     its summary codes / live-tile lists ``[B, Hq, n_m, n_n]`` and counts ``[B, Hq, n_m]``
     (:class:`.mask.MaskPlan`; stride 0 on broadcast dims). Query head ``h`` reads
     kv head ``h // hq_per_kv`` (GQA without repeating K/V). ``USE_TMA``: K/V tiles by TMA
@@ -578,7 +577,7 @@ def attention_kernel(
                 thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
                 QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, False, IS_CAUSAL,
                 HAS_DS,
-                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
+                K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
         for start_n in range(full_hi, hi, BLOCK_N):
             acc, m_i, l_i = _tile_step(
@@ -587,7 +586,7 @@ def attention_kernel(
                 thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
                 QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL,
                 HAS_DS,
-                K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
+                K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         # Tensor mask: only the key tiles the summary does not skip, bounds always checked.
@@ -603,7 +602,7 @@ def attention_kernel(
                 qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn,
                 scsc, QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True,
                 IS_CAUSAL,
-                HAS_DS, K_GROUP, V_GROUP, CS_CHUNK, EXACT_FP8, DOT_PRECISION, USE_TMA,
+                HAS_DS, K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     if V_SCALE == VS_CHANNEL:

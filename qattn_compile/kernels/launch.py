@@ -235,6 +235,19 @@ def _v_scale_args(ops: Operands, dummy: Tensor) -> tuple[Tensor, int, int, tuple
     return ops.v_scale, int(ak.VS_TILE), ops.v_group, (sb, sh, sg)
 
 
+def _colsum_per_tile(colsum: Tensor, block_n: int) -> Tensor:
+    """The quantizer's int32 channel sums of V̂ per ``V_COLSUM_TOKENS`` tokens ``[B, H,
+    n_chunks, Dv]`` added up per key tile of ``block_n`` tokens: ``[B, H, cdiv(n_chunks,
+    block_n / V_COLSUM_TOKENS), Dv]`` (the kernel then loads one row per tile, already in
+    the layout its accumulator adds it to)."""
+    per_tile = block_n // V_COLSUM_TOKENS
+    if per_tile == 1:
+        return colsum
+    bsz, heads, n_chunks, dv = colsum.shape
+    padded = torch.nn.functional.pad(colsum, (0, 0, 0, (-n_chunks) % per_tile))
+    return padded.reshape(bsz, heads, -1, per_tile, dv).sum(dim=3, dtype=torch.int32)
+
+
 def _launch(
     ops: Operands,
     out: Tensor,
@@ -262,8 +275,8 @@ def _launch(
     ds_strides = ops.delta_s.stride()[:3] if ops.delta_s is not None else (0, 0, 0)
     vmean = ops.v_mean if ops.v_mean is not None else dummy
     vm_strides = ops.v_mean.stride()[:2] if ops.v_mean is not None else (0, 0)
-    colsum = ops.v_colsum if ops.v_colsum is not None else dummy
-    cs_strides = ops.v_colsum.stride()[:3] if ops.v_colsum is not None else (0, 0, 0)
+    colsum = _colsum_per_tile(ops.v_colsum, cfg.block_n) if ops.v_colsum is not None else dummy
+    cs_strides = colsum.stride()[:3] if ops.v_colsum is not None else (0, 0, 0)
     if mask is None:
         mode, mvals, msum, mtiles, mcount = int(ak.MASK_NONE), dummy, dummy, dummy, dummy
         m_strides = s_strides = t_strides = (0, 0, 0, 0)
@@ -292,7 +305,6 @@ def _launch(
         V_SCALE=v_mode, MASK_MODE=mode, IS_CAUSAL=bool(is_causal),
         HAS_DS=ops.delta_s is not None, SMOOTH_V=ops.v_mean is not None,
         Q_GROUP=q_group, K_GROUP=k_group, V_GROUP=v_group, DS_GROUP=SMOOTH_Q_BLOCK,
-        CS_CHUNK=V_COLSUM_TOKENS,
         EXACT_FP8=exact, DOT_PRECISION=dot_precision, USE_TMA=use_tma,
         HEAD_D=dim, HEAD_DV=dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -74,12 +74,16 @@ def interpreted(device: torch.device) -> bool:
 
 
 @triton.jit
-def rint_to_int32(x):
-    """Round float32 ``x`` (|x| < 2**22) half-to-even to int32, with no float→int instruction.
+def rint_to_int32(x, MINUS: tl.constexpr = 0):
+    """Round float32 ``x`` (|x| < 2**22) half-to-even to int32, minus the integer ``MINUS``
+    (``0 <= MINUS < 2**22``), with no float→int instruction.
 
     Matches :func:`torch.round` bit for bit (adds 1.5·2**23 and reads the mantissa bits).
+    ``MINUS`` rides in the same add (``1.5·2**23 − MINUS`` is even and the sum stays in the
+    binade of unit steps, so the tie-breaking is unchanged): UINT8 P's ``round(P) − 128``
+    costs no extra instruction.
     """
-    biased = tl.cast(x + _RINT_MAGIC, tl.int32, bitcast=True)
+    biased = tl.cast(x + (_RINT_MAGIC - MINUS), tl.int32, bitcast=True)
     return biased - _RINT_MAGIC_BITS
 
 
