@@ -71,6 +71,7 @@ _OUT_FP8 = tl.constexpr(2)
 
 _MAX_TILE_GROUP = 128  # largest token group a quantizer tile reduces by itself
 _STATS_CHUNK = 256  # tokens per program of the statistics kernel
+_STATS_TILE_ELEMENTS = 2048  # elements per loaded tile there (three running tiles of them)
 
 
 @dataclass(frozen=True)
@@ -123,17 +124,22 @@ def _token_stats_kernel(
     g = c // chunks_per_group
     start = g * group + (c % chunks_per_group) * CHUNK
     end = tl.minimum(tl.minimum(start + CHUNK, g * group + group), L)
-    col_sum = tl.zeros((BLOCK_D,), tl.float32)
-    col_max = tl.full((BLOCK_D,), float("-inf"), tl.float32)
-    col_min = tl.full((BLOCK_D,), float("inf"), tl.float32)
+    # Element-wise running sums/extrema over the chunk's tiles, reduced across tokens once at
+    # the end (a reduction per tile moves data between threads every iteration).
+    tile_sum = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    tile_max = tl.full((BLOCK_T, BLOCK_D), float("-inf"), tl.float32)
+    tile_min = tl.full((BLOCK_T, BLOCK_D), float("inf"), tl.float32)
     for t0 in range(start, end, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         valid = (rows[:, None] < end) & (cols[None, :] < D)
         x = tl.load(x_base + rows[:, None] * sxl + cols[None, :] * sxd, mask=valid, other=0.0)
         x = x.to(tl.float32)
-        col_sum += tl.sum(x, axis=0)
-        col_max = tl.maximum(col_max, tl.max(tl.where(valid, x, float("-inf")), axis=0))
-        col_min = tl.minimum(col_min, tl.min(tl.where(valid, x, float("inf")), axis=0))
+        tile_sum += x
+        tile_max = tl.maximum(tile_max, tl.where(valid, x, float("-inf")))
+        tile_min = tl.minimum(tile_min, tl.where(valid, x, float("inf")))
+    col_sum = tl.sum(tile_sum, axis=0)
+    col_max = tl.max(tile_max, axis=0)
+    col_min = tl.min(tile_min, axis=0)
     out = (bh * n_chunks + c) * D + cols
     tl.store(sum_ptr + out, col_sum, mask=cols < D)
     tl.store(max_ptr + out, col_max, mask=cols < D)
@@ -228,7 +234,8 @@ def _delta_s_kernel(
     qmean_ptr, k_ptr, kmean_ptr, out_ptr,
     Lkv, D, n_blocks, hq_per_kv, n_heads_q, scale_mul,
     skb, skh, skl, skd,
-    SUB_K_MEAN: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+    SUB_K_MEAN: tl.constexpr, PRECISION: tl.constexpr, SPLIT_Q: tl.constexpr,
+    CAUSAL: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -238,9 +245,11 @@ def _delta_s_kernel(
     qmean: float32 ``[B, Hq, n_blocks, D]`` contiguous; k: ``[B, Hkv, Lkv, D]`` (strides);
     kmean: float32 ``[B, Hkv, 1, D]`` contiguous (``SUB_K_MEAN``); out: float32 ``[B, Hq,
     n_blocks, Lkv]`` contiguous. Grid ``(cdiv(Lkv, BLOCK_T), cdiv(n_blocks, BLOCK_B),
-    B*Hq)``: one ``[BLOCK_B, BLOCK_T]`` tile of ΔS as a float32 dot of ``BLOCK_B`` q̄ rows
-    with ``BLOCK_T`` smoothed key rows (``PRECISION``: ``tf32x3`` keeps float32 accuracy on
-    tensor cores; ``ieee`` under the interpreter).
+    B*Hq)``: one ``[BLOCK_B, BLOCK_T]`` tile of ΔS, ``q̄·Kᵀ − q̄·k̄`` (the mean's term one
+    value per q̄ row). The dot keeps float32 accuracy on tensor cores: ``SPLIT_Q`` (16-bit K,
+    exact in its dtype): q̄ as the sum of three terms in K's dtype (24 significant bits),
+    three 16-bit dots into one float32 accumulator; otherwise K in float32 and a dot of
+    ``PRECISION`` (``tf32x3``; ``ieee`` under the interpreter).
 
     ``CAUSAL``: a program whose first key lies two query blocks (``Q_BLOCK`` tokens each)
     beyond its last block writes nothing. A causal attention kernel reads block ``blk``'s row
@@ -261,12 +270,23 @@ def _delta_s_kernel(
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     blocks = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_D)
-    k = load_tile(k_ptr + b * skb + hkv * skh, rows, cols, skl, skd, Lkv, D, 0.0).to(tl.float32)
+    k = load_tile(k_ptr + b * skb + hkv * skh, rows, cols, skl, skd, Lkv, D, 0.0)
+    qm = load_tile(qmean_ptr + bhq * n_blocks * D, blocks, cols, D, 1, n_blocks, D, 0.0)
+    if SPLIT_Q:
+        k_t = tl.trans(k)
+        q_hi = qm.to(k.dtype)
+        rest = qm - q_hi.to(tl.float32)
+        q_mid = rest.to(k.dtype)
+        q_lo = (rest - q_mid.to(tl.float32)).to(k.dtype)
+        ds = tl.dot(q_lo, k_t)
+        ds = tl.dot(q_mid, k_t, ds)
+        ds = tl.dot(q_hi, k_t, ds)
+    else:
+        ds = tl.dot(qm, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     if SUB_K_MEAN:
         kmean = tl.load(kmean_ptr + (b * n_heads_kv + hkv) * D + cols, mask=cols < D, other=0.0)
-        k = tl.where((rows < Lkv)[:, None], k - kmean[None, :], 0.0)
-    qm = load_tile(qmean_ptr + bhq * n_blocks * D, blocks, cols, D, 1, n_blocks, D, 0.0)
-    ds = tl.dot(qm, tl.trans(k), input_precision=PRECISION) * scale_mul
+        ds -= tl.sum(qm * kmean[None, :], axis=1)[:, None]
+    ds = ds * scale_mul
     store_tile(out_ptr + bhq * n_blocks * Lkv, ds, blocks, rows, Lkv, 1, n_blocks, Lkv)
 
 
@@ -305,7 +325,8 @@ def token_stats(
     interpreted(x.device)
     launcher(_token_stats_kernel, x)[(n_chunks, bsz * heads)](
         x, partial[0], partial[1], partial[2], length, dim, group, chunks_per_group, n_chunks,
-        *x.stride(), heads, CHUNK=chunk, BLOCK_T=min(cfg.block_t, chunk),
+        *x.stride(), heads, CHUNK=chunk,
+        BLOCK_T=min(max(_STATS_TILE_ELEMENTS // padded_dim(dim), 1), chunk),
         BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
     sums, maxs, mins = partial.view(3, bsz, heads, n_groups, chunks_per_group, dim).unbind(0)
@@ -538,7 +559,7 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float, 
     launcher(_delta_s_kernel, k)[grid](
         q_mean.contiguous(), k, kmean, out, lkv, dim, n_blocks, hq // hkv, hq, scale_mul,
         *k.stride(), SUB_K_MEAN=k_mean is not None, PRECISION="ieee" if exact else "tf32x3",
-        CAUSAL=causal, Q_BLOCK=SMOOTH_Q_BLOCK, BLOCK_T=cfg.block_t, BLOCK_B=block_b, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
+        SPLIT_Q=not exact and k.dtype in (torch.bfloat16, torch.float16), CAUSAL=causal, Q_BLOCK=SMOOTH_Q_BLOCK, BLOCK_T=cfg.block_t, BLOCK_B=block_b, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
     return out
 
