@@ -72,6 +72,7 @@ _OUT_FP8 = tl.constexpr(2)
 _MAX_TILE_GROUP = 128  # largest token group a quantizer tile reduces by itself
 _STATS_CHUNK = 256  # tokens per program of the statistics kernel
 _STATS_TILE_ELEMENTS = 2048  # elements per loaded tile there (three running tiles of them)
+_DS_KEY_TILES = 8  # key tiles per ΔS program (its q̄ rows are loaded and split once)
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ def _delta_s_kernel(
     skb, skh, skl, skd,
     SUB_K_MEAN: tl.constexpr, PRECISION: tl.constexpr, SPLIT_Q: tl.constexpr,
     CAUSAL: tl.constexpr,
-    Q_BLOCK: tl.constexpr,
+    Q_BLOCK: tl.constexpr, TILES: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """SageAttention2's ΔS: ``ΔS[b, hq, blk, n] = scale_mul · Σ_d q̄[b, hq, blk, d] ·
@@ -244,50 +245,56 @@ def _delta_s_kernel(
 
     qmean: float32 ``[B, Hq, n_blocks, D]`` contiguous; k: ``[B, Hkv, Lkv, D]`` (strides);
     kmean: float32 ``[B, Hkv, 1, D]`` contiguous (``SUB_K_MEAN``); out: float32 ``[B, Hq,
-    n_blocks, Lkv]`` contiguous. Grid ``(cdiv(Lkv, BLOCK_T), cdiv(n_blocks, BLOCK_B),
-    B*Hq)``: one ``[BLOCK_B, BLOCK_T]`` tile of ΔS, ``q̄·Kᵀ − q̄·k̄`` (the mean's term one
-    value per q̄ row). The dot keeps float32 accuracy on tensor cores: ``SPLIT_Q`` (16-bit K,
-    exact in its dtype): q̄ as the sum of three terms in K's dtype (24 significant bits),
-    three 16-bit dots into one float32 accumulator; otherwise K in float32 and a dot of
-    ``PRECISION`` (``tf32x3``; ``ieee`` under the interpreter).
+    n_blocks, Lkv]`` contiguous. Grid ``(cdiv(Lkv, TILES·BLOCK_T), cdiv(n_blocks, BLOCK_B),
+    B*Hq)``: ``TILES`` ``[BLOCK_B, BLOCK_T]`` tiles of ΔS, ``q̄·Kᵀ − q̄·k̄`` (the mean's term
+    one value per q̄ row), q̄ loaded once per program. The dot keeps float32 accuracy on
+    tensor cores: ``SPLIT_Q`` (16-bit K, exact in its dtype): q̄ as the sum of three terms
+    in K's dtype (24 significant bits), three 16-bit dots into one float32 accumulator;
+    otherwise K in float32 and a dot of ``PRECISION`` (``tf32x3``; ``ieee`` under the
+    interpreter).
 
-    ``CAUSAL``: a program whose first key lies two query blocks (``Q_BLOCK`` tokens each)
-    beyond its last block writes nothing. A causal attention kernel reads block ``blk``'s row
-    only for key tiles that start before ``(blk + 1)·Q_BLOCK`` (tiles of at most
+    ``CAUSAL``: key tiles that start two query blocks (``Q_BLOCK`` tokens each) beyond the
+    program's last block are not computed. A causal attention kernel reads block ``blk``'s
+    row only for key tiles that start before ``(blk + 1)·Q_BLOCK`` (tiles of at most
     ``2·Q_BLOCK`` keys, aligned to their size), so those entries are never read and stay
     unwritten: half the output's writes at long lengths.
     """
     pid_t = tl.program_id(0)
     pid_b = tl.program_id(1)
-    if CAUSAL:
-        if pid_t * BLOCK_T >= (pid_b * BLOCK_B + BLOCK_B + 1) * Q_BLOCK:
-            return
     bhq = tl.program_id(2)
     b = bhq // n_heads_q
     hq = bhq % n_heads_q
     hkv = hq // hq_per_kv
     n_heads_kv = n_heads_q // hq_per_kv
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     blocks = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_D)
-    k = load_tile(k_ptr + b * skb + hkv * skh, rows, cols, skl, skd, Lkv, D, 0.0)
     qm = load_tile(qmean_ptr + bhq * n_blocks * D, blocks, cols, D, 1, n_blocks, D, 0.0)
-    if SPLIT_Q:
-        k_t = tl.trans(k)
-        q_hi = qm.to(k.dtype)
-        rest = qm - q_hi.to(tl.float32)
-        q_mid = rest.to(k.dtype)
-        q_lo = (rest - q_mid.to(tl.float32)).to(k.dtype)
-        ds = tl.dot(q_lo, k_t)
-        ds = tl.dot(q_mid, k_t, ds)
-        ds = tl.dot(q_hi, k_t, ds)
-    else:
-        ds = tl.dot(qm, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     if SUB_K_MEAN:
         kmean = tl.load(kmean_ptr + (b * n_heads_kv + hkv) * D + cols, mask=cols < D, other=0.0)
-        ds -= tl.sum(qm * kmean[None, :], axis=1)[:, None]
-    ds = ds * scale_mul
-    store_tile(out_ptr + bhq * n_blocks * Lkv, ds, blocks, rows, Lkv, 1, n_blocks, Lkv)
+        row_term = tl.sum(qm * kmean[None, :], axis=1)
+    else:
+        row_term = tl.zeros((BLOCK_B,), tl.float32)
+    if SPLIT_Q:
+        q_hi = qm.to(k_ptr.dtype.element_ty)
+        rest = qm - q_hi.to(tl.float32)
+        q_mid = rest.to(k_ptr.dtype.element_ty)
+        q_lo = (rest - q_mid.to(tl.float32)).to(k_ptr.dtype.element_ty)
+    start = pid_t * (TILES * BLOCK_T)
+    end = tl.minimum(start + TILES * BLOCK_T, Lkv)
+    if CAUSAL:
+        end = tl.minimum(end, (pid_b * BLOCK_B + BLOCK_B + 1) * Q_BLOCK)
+    for t0 in range(start, end, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        k = load_tile(k_ptr + b * skb + hkv * skh, rows, cols, skl, skd, Lkv, D, 0.0)
+        if SPLIT_Q:
+            k_t = tl.trans(k)
+            ds = tl.dot(q_lo, k_t)
+            ds = tl.dot(q_mid, k_t, ds)
+            ds = tl.dot(q_hi, k_t, ds)
+        else:
+            ds = tl.dot(qm, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        ds = (ds - row_term[:, None]) * scale_mul
+        store_tile(out_ptr + bhq * n_blocks * Lkv, ds, blocks, rows, Lkv, 1, n_blocks, Lkv)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -555,11 +562,14 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float, 
     kmean = k_mean.contiguous() if k_mean is not None else q_mean
     # q̄ rows per program: a dot needs at least 16; 64 covers 8K query tokens per tile.
     block_b = min(64, max(16, triton.next_power_of_2(n_blocks)))
-    grid = (triton.cdiv(max(lkv, 1), cfg.block_t), triton.cdiv(n_blocks, block_b), bsz * hq)
+    grid = (triton.cdiv(max(lkv, 1), _DS_KEY_TILES * cfg.block_t),
+            triton.cdiv(n_blocks, block_b), bsz * hq)
     launcher(_delta_s_kernel, k)[grid](
         q_mean.contiguous(), k, kmean, out, lkv, dim, n_blocks, hq // hkv, hq, scale_mul,
         *k.stride(), SUB_K_MEAN=k_mean is not None, PRECISION="ieee" if exact else "tf32x3",
-        SPLIT_Q=not exact and k.dtype in (torch.bfloat16, torch.float16), CAUSAL=causal, Q_BLOCK=SMOOTH_Q_BLOCK, BLOCK_T=cfg.block_t, BLOCK_B=block_b, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
+        SPLIT_Q=not exact and k.dtype in (torch.bfloat16, torch.float16), CAUSAL=causal,
+        Q_BLOCK=SMOOTH_Q_BLOCK, TILES=_DS_KEY_TILES, BLOCK_T=cfg.block_t, BLOCK_B=block_b, BLOCK_D=padded_dim(dim),
+        num_warps=cfg.num_warps,
     )
     return out
 
