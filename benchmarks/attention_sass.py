@@ -9,8 +9,8 @@ Run on the CPU machine from the repository root (about 3 s per variant)::
 
 Each ``NAME=JSON`` is an :class:`~qattn_compile.kernels.heuristics.AttentionConfig` (none: the
 H100 table's entry for the preset, read from the table's internals). The operands are random tensors with the dtypes, layouts
-and scale groups of the preset's default options (:func:`operands`; int_flash, sage2_8b and
-fp8, the presets whose loops this was written to study), B=1, H=2, N=1024. They go through
+and scale groups of the preset's default options (:func:`operands`; int_flash, fmha_int8,
+sage2_8b and fp8, the presets whose loops this was written to study), B=1, H=2, N=1024. They go through
 :func:`qattn_compile.kernels.launch._launch`, whose kernel call is intercepted and compiled as
 :mod:`decode_sass` does (same caveats: Triton internals, Triton 3.9 here against the GPU's
 3.6). Counts are per loop iteration, i.e. per key tile, per warp. The backward branches of

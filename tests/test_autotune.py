@@ -225,3 +225,17 @@ def test_native_pv_sage2_takes_its_own_h100_tile(monkeypatch):
            for pv in ("fp16", "fp8")}
     assert d64 == {"fp16": AttentionConfig(64, 128, 4, 3, tma=True),  # no entry of its own
                    "fp8": AttentionConfig(64, 128, 4, 3, tma=True)}
+
+
+def test_tile_overrides_that_break_a_launch_contract_are_refused():
+    """attention_config checks an explicit config against the launchers' contracts: ΔS
+    (sage2's Q smoothing) allows key tiles of at most 2·SMOOTH_Q_BLOCK keys, per-block V
+    scales need key tiles inside one V block."""
+    q, k, v = (torch.randn(1, 2, 40, 64, dtype=torch.float16) for _ in range(3))
+    with pytest.raises(ValueError, match=r"block_n=512 must be at most 2·SMOOTH_Q_BLOCK=256"):
+        prepare_attention(q, k, v, preset="sage2_8b", config=AttentionConfig(32, 512, 4, 1))
+    prepare_attention(q, k, v, preset="sage2_8b", options={"smooth_q": False},
+                      config=AttentionConfig(32, 512, 4, 1))  # no ΔS: no such limit
+    q, k, v = (torch.randn(1, 2, 130, 64, dtype=torch.float16) for _ in range(3))  # 3 V blocks
+    with pytest.raises(ValueError, match=r"block_n=128 must divide QUANT_BLOCK_KV=64"):
+        prepare_attention(q, k, v, preset="turbo", config=AttentionConfig(32, 128, 4, 1))

@@ -202,8 +202,8 @@ def test_delta_s_many_query_blocks_gqa():
 def test_causal_delta_s_writes_every_entry_a_causal_kernel_reads():
     """``causal=True``: ΔS rows of query block ``blk`` equal the full ΔS for every key below
     ``(blk + 2)·SMOOTH_Q_BLOCK`` (what a causal kernel's key tiles can reach); the skipped
-    programs lie beyond that. 80 blocks: two programs of q̄ rows, the first of which skips
-    its keys past 65 blocks."""
+    tiles lie beyond that. 80 blocks: two programs of q̄ rows, the first of which skips its
+    keys past 65 blocks."""
     q_mean = torch.randn(1, 2, 80, 32)
     k = torch.randn(1, 1, 80 * SMOOTH_Q_BLOCK + 50, 32)
     full = kq.delta_s(q_mean, k, None, 1.0)
@@ -478,8 +478,8 @@ def test_128_key_tiles_over_smaller_token_groups(preset, options, causal):
     applied per half of the tile's scores (the last tile's second group lies past Lkv =
     150); fp8's per-tensor, int_flash's per-key and flash's scalar scale leave the row scale
     to the exponent; fmha_int8's UINT8-P correction adds four 32-token V̂ sums per tile (the
-    last tile's from padding). K's second group is 10× larger, so a scale applied to the wrong keys
-    shows as a large error."""
+    last tile's from padding). K's second group is 10× larger, so a scale applied to the
+    wrong keys shows as a large error."""
     assert QUANT_BLOCK_KV == 64
     q, k, v = make_qkv(lq=40, lkv=150, d=32, k_outliers=True)
     k[:, :, 64:128] *= 10.0

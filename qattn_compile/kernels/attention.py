@@ -396,9 +396,10 @@ def _tile_step(
         k, k2 = load_qk_tile(k_base, offs_n, skl, skd, Lkv, QK_FMT, HEAD_D, BLOCK_D, BOUNDED)
     # K scales one key tile spans: 1 when a scale group holds the whole tile, BLOCK_N //
     # K_GROUP (at most 4) when the tile holds whole groups, else one per key.
-    K_SCALES: tl.constexpr = (1 if K_GROUP % BLOCK_N == 0 else
-                              BLOCK_N // K_GROUP if BLOCK_N % K_GROUP == 0 and K_GROUP * 4 >= BLOCK_N
-                              else BLOCK_N)
+    K_SCALES: tl.constexpr = (
+        1 if K_GROUP % BLOCK_N == 0
+        else BLOCK_N // K_GROUP if BLOCK_N % K_GROUP == 0 and K_GROUP * 4 >= BLOCK_N
+        else BLOCK_N)
     if QK_FMT == QK_NATIVE:
         k_scale = 1.0  # native scores take qk_scale instead
     elif K_SCALES == 1:

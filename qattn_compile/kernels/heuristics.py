@@ -12,8 +12,11 @@ Constraints the launchers rely on (checked by :func:`attention_config`):
 - ``block_n`` divides :data:`~qattn_compile.blocks.QUANT_BLOCK_KV` whenever V carries one
   scale per block of tokens (a tile of V tokens then has one scale);
 - ``block_m`` divides :data:`~qattn_compile.blocks.SMOOTH_Q_BLOCK` (a query tile then shares
-  one Q-smoothing mean, so ΔS is one row per tile);
-- ``block_n`` is a multiple of :data:`V_COLSUM_TOKENS`.
+  one Q-smoothing mean, so ΔS is one row per tile), and with ΔS ``block_n`` is at most twice
+  it (a causal call's ΔS leaves unwritten the keys no such tile reaches,
+  :func:`~.quantize.delta_s`);
+- ``block_n`` is a multiple of :data:`V_COLSUM_TOKENS` (fmha_int8's launcher adds that many
+  tokens' V̂ sums up per key tile).
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ _DIMS = (32, 64, 128, 256)
 # TOPS: sage2_8b 422 / 403 with 128×128 tiles and 8 warps, 610 / 579 with 64×128 and 4 warps;
 # int_flash 513 / 473 → 630 / 576; fp8 568 / 526 → 738 / 687). 64×64 tiles (three or four
 # programs per SM) win for flash at D=128 and for turbo at D=64; sage2_4b keeps 128×64
-# pointer loads at D=64. 256-wide heads need 8 warps on a 64-row tile. The 128-row program's lockstep is our reading of that
-# profile; the sweep is what chose the tiles.
+# pointer loads at D=64. 256-wide heads need 8 warps on a 64-row tile. The 128-row
+# program's lockstep is our reading of that profile; the sweep is what chose the tiles.
 # Warp specialization is not used: Triton 3.6 miscompiles our loop with it
 # (benchmarks/NOTES.md).
 _SM90_ONE_WARPGROUP = AttentionConfig(64, 128, 4, 3, tma=True)
@@ -227,6 +230,9 @@ def attention_config(
         raise ValueError(f"block_n={cfg.block_n} must divide QUANT_BLOCK_KV={QUANT_BLOCK_KV}")
     if smooth_q and SMOOTH_Q_BLOCK % cfg.block_m:
         raise ValueError(f"block_m={cfg.block_m} must divide SMOOTH_Q_BLOCK={SMOOTH_Q_BLOCK}")
+    if smooth_q and cfg.block_n > 2 * SMOOTH_Q_BLOCK:
+        raise ValueError(f"block_n={cfg.block_n} must be at most 2·SMOOTH_Q_BLOCK="
+                         f"{2 * SMOOTH_Q_BLOCK} with ΔS")
     return cfg
 
 

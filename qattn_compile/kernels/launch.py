@@ -3,8 +3,8 @@
 Each preset maps to one :class:`Operands` — the kernel-format Q/K/V, their scales and the
 ``tl.constexpr`` switches of :func:`.attention.attention_kernel` — built by one small
 ``_prepare_*`` function that states the preset's math (:mod:`qattn_compile.presets`); each
-takes ``(q, k, v, options, qk_mul, static scales, causal)``. Token-group sizes come from :func:`qattn_compile.blocks.group_sizes`; tile sizes from
-:mod:`.heuristics`.
+takes ``(q, k, v, options, qk_mul, static scales, causal)``. Token-group sizes come from
+:func:`qattn_compile.blocks.group_sizes`; tile sizes from :mod:`.heuristics`.
 """
 
 from __future__ import annotations

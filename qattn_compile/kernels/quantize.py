@@ -568,8 +568,8 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float, 
         q_mean.contiguous(), k, kmean, out, lkv, dim, n_blocks, hq // hkv, hq, scale_mul,
         *k.stride(), SUB_K_MEAN=k_mean is not None, PRECISION="ieee" if exact else "tf32x3",
         SPLIT_Q=not exact and k.dtype in (torch.bfloat16, torch.float16), CAUSAL=causal,
-        Q_BLOCK=SMOOTH_Q_BLOCK, TILES=_DS_KEY_TILES, BLOCK_T=cfg.block_t, BLOCK_B=block_b, BLOCK_D=padded_dim(dim),
-        num_warps=cfg.num_warps,
+        Q_BLOCK=SMOOTH_Q_BLOCK, TILES=_DS_KEY_TILES, BLOCK_T=cfg.block_t, BLOCK_B=block_b,
+        BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
     return out
 
