@@ -547,6 +547,26 @@ def test_fmha_static_scales():
     assert rel_l1(out, exact) <= 1.05 * rel_l1(ref, exact) + EPS
 
 
+@pytest.mark.parametrize("preset", ["flash", "fp8", "int_flash"])
+@pytest.mark.parametrize("scale", [-0.2, 0.0])
+def test_zero_and_negative_softmax_scales(preset, scale):
+    """SDPA accepts any ``scale``. A negative one turns the row max into the min of the raw
+    scores, so the kernel scales the scores before the max instead of in the exponent
+    (``POSITIVE_SCALE``); zero gives uniform weights over the visible keys. A bool mask with
+    a fully masked row: still 0, no NaN (0·−inf would be one)."""
+    q, k, v = make_qkv(lq=40, lkv=70, d=32)
+    mask = random_bool_mask((1, 1, 40, 70))
+    mask[..., 5, :] = False
+    out = kernel_attention(q, k, v, attn_mask=mask, scale=scale, preset=preset)
+    ref = reference_attention(q, k, v, attn_mask=mask, scale=scale, preset=preset,
+                              key_tile=32)
+    exact = exact_attention(q, k, v, attn_mask=mask, scale=scale)
+    assert not out.isnan().any()
+    assert torch.equal(out[..., 5, :], torch.zeros_like(out[..., 5, :]))
+    err_k, err_r = rel_l1(out, exact), rel_l1(ref, exact)
+    assert err_k <= 1.05 * err_r + EPS, f"{preset}: kernel {err_k:.5f} vs reference {err_r:.5f}"
+
+
 def test_flash_fp32_matches_exact_and_strided_inputs():
     q, k, v = make_qkv(b=2, hq=4, hkv=1, lq=33, lkv=65, d=96, dtype=torch.float32)
     out = kernel_attention(q, k, v, is_causal=True, scale=0.3)

@@ -10,6 +10,10 @@ softmax scale and log2(e) are folded into Q's scale). Switches:
   ``K_GROUP`` (a per-tensor scale is a group of :data:`PER_TENSOR_GROUP` tokens with stride
   0); a ``K_GROUP`` that ``BLOCK_N`` divides gives each key tile one scalar scale.
 - ``HAS_DS``: add SageAttention2's Q-smoothing term ΔS (one row per ``DS_GROUP`` queries).
+- ``POSITIVE_SCALE``: the softmax scale is positive (every row's score scale then is), so
+  without ΔS or an additive mask the row max is taken before that scale and the exponent's
+  multiply-add applies it (:func:`qk_scores`); a zero or negative scale (SDPA allows both)
+  scales the scores first.
 - ``P_FMT``: :data:`P_NATIVE` (P in V's dtype), :data:`P_INT8` (``round(127·P)``),
   :data:`P_UINT8` (``round(255·P)``, fed to the signed dot as ``P − 128`` plus an exact
   ``128·colsum(V̂)`` correction), :data:`P_FP8` (``fp8(448·P)``). ``l`` is summed from the
@@ -373,6 +377,7 @@ def _tile_step(
     QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr, V_FMT: tl.constexpr,
     V_SCALE: tl.constexpr, EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
     BOUNDED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr,
     K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, EXACT_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
@@ -413,8 +418,9 @@ def _tile_step(
     else:
         k_scale = _load_group_scale(ks_base, offs_n, Lkv, sksg, K_GROUP, BOUNDED)
     # Without ΔS or an additive mask, the max is taken before the rows' scale is applied
-    # (a positive factor per row), and the exponent's multiply-add applies it.
-    ROW_SCALE: tl.constexpr = (not HAS_DS and MASK_MODE != MASK_ADD
+    # (a positive factor per row: quantizer scales are, the softmax scale must be), and the
+    # exponent's multiply-add applies it.
+    ROW_SCALE: tl.constexpr = (POSITIVE_SCALE and not HAS_DS and MASK_MODE != MASK_ADD
                                and (K_SCALES == 1 or K_SCALES == BLOCK_N or QK_FMT == QK_NATIVE))
     s, row_scale = qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT, DOT_PRECISION,
                              K_SCALES if QK_FMT != QK_NATIVE else BLOCK_N, ROW_SCALE)
@@ -504,7 +510,7 @@ def attention_kernel(
     QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr, V_FMT: tl.constexpr,
     V_SCALE: tl.constexpr, EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
-    HAS_DS: tl.constexpr, SMOOTH_V: tl.constexpr,
+    HAS_DS: tl.constexpr, SMOOTH_V: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
     Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, DS_GROUP: tl.constexpr,
     EXACT_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -577,7 +583,7 @@ def attention_kernel(
                 ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale,
                 thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
                 QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, False, IS_CAUSAL,
-                HAS_DS,
+                HAS_DS, POSITIVE_SCALE,
                 K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
         for start_n in range(full_hi, hi, BLOCK_N):
@@ -586,7 +592,7 @@ def attention_kernel(
                 ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale,
                 thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
                 QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL,
-                HAS_DS,
+                HAS_DS, POSITIVE_SCALE,
                 K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
@@ -603,7 +609,8 @@ def attention_kernel(
                 qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn,
                 scsc, QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True,
                 IS_CAUSAL,
-                HAS_DS, K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
+                HAS_DS, POSITIVE_SCALE, K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION,
+                USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     if V_SCALE == VS_CHANNEL:

@@ -304,6 +304,7 @@ def _launch(
         *m_strides, *s_strides, *t_strides, *c_strides,
         V_SCALE=v_mode, MASK_MODE=mode, IS_CAUSAL=bool(is_causal),
         HAS_DS=ops.delta_s is not None, SMOOTH_V=ops.v_mean is not None,
+        POSITIVE_SCALE=bool(qk_scale > 0),
         Q_GROUP=q_group, K_GROUP=k_group, V_GROUP=v_group, DS_GROUP=SMOOTH_Q_BLOCK,
         EXACT_FP8=exact, DOT_PRECISION=dot_precision, USE_TMA=use_tma,
         HEAD_D=dim, HEAD_DV=dv,
