@@ -60,7 +60,8 @@ class Operands:
     per scale (None: native operands). ``v_scale``: float32 per V token group (``v_group``
     tokens, applied per tile) or per channel (``v_per_channel``); None for native V.
     ``delta_s``: float32 ``[B, Hq, n_blocks, Lkv]``; ``v_mean``: float32 ``[B, Hkv, 1, Dv]``;
-    ``v_colsum``: int32 ``[B, Hkv, n_chunks, Dv]`` sums of V̂ per ``V_COLSUM_TOKENS`` tokens.
+    ``v_colsum``: int32 ``[B, Hkv, n, Dv]`` channel sums of V̂, per ``V_COLSUM_TOKENS`` tokens
+    from the quantizer, per key tile once :func:`prepare_attention` has chosen the tile.
     ``switches``: the format constexprs (QK_FMT, P_FMT, P_TILE_MAX, V_FMT, EXP_MODE).
     """
 
@@ -275,8 +276,8 @@ def _launch(
     ds_strides = ops.delta_s.stride()[:3] if ops.delta_s is not None else (0, 0, 0)
     vmean = ops.v_mean if ops.v_mean is not None else dummy
     vm_strides = ops.v_mean.stride()[:2] if ops.v_mean is not None else (0, 0)
-    colsum = _colsum_per_tile(ops.v_colsum, cfg.block_n) if ops.v_colsum is not None else dummy
-    cs_strides = colsum.stride()[:3] if ops.v_colsum is not None else (0, 0, 0)
+    colsum = ops.v_colsum if ops.v_colsum is not None else dummy
+    cs_strides = ops.v_colsum.stride()[:3] if ops.v_colsum is not None else (0, 0, 0)
     if mask is None:
         mode, mvals, msum, mtiles, mcount = int(ak.MASK_NONE), dummy, dummy, dummy, dummy
         m_strides = s_strides = t_strides = (0, 0, 0, 0)
@@ -454,6 +455,8 @@ def prepare_attention(
     cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, per_block_v=per_block_v,
                            smooth_q=smooth_q, native_pv=native_pv, override=config)
     mask = plan_mask(attn_mask, (bsz, hq, lq, lkv), cfg.block_m, cfg.block_n, bool(is_causal))
+    if ops.v_colsum is not None:  # once per call, not per run of the prepared call
+        ops.v_colsum = _colsum_per_tile(ops.v_colsum, cfg.block_n)
     quantize_out = preset == "fmha_int8" and opts.quantize_output
     logger.debug("qattn kernel %s on %s: cfg=%s", preset, arch_of(q.device), cfg)
     return PreparedAttention(
