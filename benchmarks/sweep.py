@@ -4,13 +4,17 @@ Usage (GPU machine, repository root)::
 
     PYTHONPATH=. python benchmarks/sweep.py --out sweep.json [--n 8192] [--dims 128 64]
         [--causal no|yes|both] [--presets ...] [--configs ...] [--options '{"pv": "fp16"}']
+        [--graph]
 
 For every preset and head dim, each candidate :class:`AttentionConfig` (tile, warps, stages,
 TMA descriptors) runs the attention kernel alone on prepared operands
 (B=4, H=32, bf16 N(0,1) inputs): its output is compared with the pointer-load baseline
 config (max abs difference; TMA must not change a bit) and its median ``do_bench`` time is
-converted to TOPS = 4·B·H·N²·D / t (halved when causal). A config that fails to compile or
-run is recorded with its error and the sweep goes on. Prints one table per (D, causal).
+converted to TOPS = 4·B·H·N²·D / t (halved when causal). ``--graph`` times as the
+autotuner does instead (:func:`~qattn_compile.kernels.autotune.time_call`: CUDA-graph
+replays, L2 cleared before each), for short sequences, where the host's launch cost of an
+eager call exceeds the kernel's time. A config that fails to compile or run is recorded
+with its error and the sweep goes on. Prints one table per (D, causal).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from qattn_compile.kernels import prepare_attention
+from qattn_compile.kernels import autotune, prepare_attention
 from qattn_compile.kernels.heuristics import AttentionConfig, attention_config
 
 PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", "fp8")
@@ -44,10 +48,12 @@ CANDIDATES = {  # name -> (block_m, block_n, num_warps, num_stages, tma)
 }
 
 
-def run_one(preset, options, q, k, v, causal, cfg) -> tuple[torch.Tensor, float]:
+def run_one(preset, options, q, k, v, causal, cfg, graph: bool) -> tuple[torch.Tensor, float]:
     """(output, median ms) of the attention kernel alone with launch config ``cfg``."""
     call = prepare_attention(q, k, v, None, causal, None, preset, options, config=cfg)
     out = call.run()
+    if graph:
+        return out, autotune.time_call(call.run, q.device)
     return out, do_bench(call.run, warmup=25, rep=100)
 
 
@@ -61,13 +67,16 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CANDIDATES), choices=CANDIDATES,
                         help="candidate names (the first is the baseline outputs compare to)")
     parser.add_argument("--options", default="{}", help="preset options as JSON (all presets)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time CUDA-graph replays with a cold L2 (short sequences)")
     args = parser.parse_args()
     options = json.loads(args.options) or None
     b, h, n = 4, 32, args.n
     causal_modes = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = []
     meta = {"torch": torch.__version__, "triton": triton.__version__,
-            "device": torch.cuda.get_device_name(), "b": b, "h": h, "n": n, "options": options}
+            "device": torch.cuda.get_device_name(), "b": b, "h": h, "n": n, "options": options,
+            "timing": "cuda graph, cold L2" if args.graph else "do_bench of the eager call"}
     for d in args.dims:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -82,7 +91,7 @@ def main() -> None:
                     row = {"d": d, "causal": causal, "preset": preset, "config": name,
                            "is_default": cfg == default}
                     try:
-                        out, ms = run_one(preset, options, q, k, v, causal, cfg)
+                        out, ms = run_one(preset, options, q, k, v, causal, cfg, args.graph)
                         if base_out is None:
                             base_out = out
                         row["max_diff_vs_first"] = (out.float() - base_out.float()).abs().max().item()

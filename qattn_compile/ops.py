@@ -10,7 +10,9 @@
 - preset: a name from :data:`qattn_compile.presets.PRESET_NAMES` other than ``none``;
   options: the preset's options as canonical JSON (``PresetOptions.to_json()``), so that the
   graph carries plain strings and the graph diff shows them.
-- returns ``[B, Hq, Lq, Dv]`` in q's dtype; fully masked rows are 0.
+- returns ``[B, Hq, Lq, Dv]`` in q's dtype; fully masked rows are 0. Contiguous; the
+  ``attention_triton`` op stores it ``[B, Lq, Hq, Dv]`` when q stores its heads inside each
+  token (:func:`output_buffer`).
 
 On CUDA the op runs the Triton kernels (:mod:`qattn_compile.kernels`); elsewhere the
 plain-PyTorch reference (:mod:`qattn_compile.reference`). Compiled graphs get
@@ -29,6 +31,32 @@ from .presets import options_from_json
 OP_NAMESPACE = "qattn"
 
 
+def heads_inside_tokens(q: Tensor) -> bool:
+    """Whether ``q`` ``[B, H, L, D]`` stores its heads inside each token (a ``[B, L, H, D]``
+    projection output viewed per head, as transformers passes Q): the attention output is
+    then stored the same way, so the caller's ``transpose(1, 2)`` back to ``[B, L, H·D]``
+    for the output projection is a view, not a copy."""
+    return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
+
+
+def output_buffer(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
+                  heads_inside: bool) -> Tensor:
+    """An uninitialised attention output ``[B, H, Lq, Dv]``: a ``[B, Lq, H, Dv]`` tensor
+    viewed per head when ``heads_inside``, else contiguous."""
+    bsz, heads, length, dv = shape
+    if heads_inside:
+        return torch.empty((bsz, length, heads, dv), dtype=dtype, device=device).transpose(1, 2)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def in_output_layout(out: Tensor, q: Tensor) -> Tensor:
+    """``out`` ``[B, H, Lq, Dv]`` stored as :func:`output_buffer` stores the output for ``q``
+    (copied only if it is not already)."""
+    if heads_inside_tokens(q):
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+    return out.contiguous()
+
+
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=())
 def attention(
     q: Tensor,
@@ -40,8 +68,10 @@ def attention(
     preset: str,
     options: str,
 ) -> Tensor:
-    """Quantized flash attention of ``preset`` (see the module docstring for shapes)."""
-    return _run(q, k, v, attn_mask, is_causal, scale, preset, options)
+    """Quantized flash attention of ``preset`` (see the module docstring for shapes); a
+    contiguous output: Inductor may hand this op a q stored otherwise than the q its fake
+    saw, so the layout cannot follow q's."""
+    return _run(q, k, v, attn_mask, is_causal, scale, preset, options).contiguous()
 
 
 def _run(q, k, v, attn_mask, is_causal, scale, preset, options) -> Tensor:
@@ -51,7 +81,7 @@ def _run(q, k, v, attn_mask, is_causal, scale, preset, options) -> Tensor:
         from .kernels import kernel_attention as implementation
     else:
         from .reference import reference_attention as implementation
-    return implementation(q, k, v, attn_mask, is_causal, scale, preset, resolved).contiguous()
+    return implementation(q, k, v, attn_mask, is_causal, scale, preset, resolved)
 
 
 @attention.register_fake
@@ -74,8 +104,10 @@ def _attention_triton(
     Its body is torch ops plus Triton launches that go through ``torch.library.wrap_triton``
     while torch traces it, so Inductor inlines the quantizer and attention kernels into its
     generated code (no opaque call, CUDA graphs keep working) instead of calling this op.
+    The output is stored as :func:`output_buffer` says for q (traced with the body, so the
+    layout Inductor plans is the one the kernels write).
     """
-    return _run(q, k, v, attn_mask, is_causal, scale, preset, options)
+    return in_output_layout(_run(q, k, v, attn_mask, is_causal, scale, preset, options), q)
 
 
 # Registered only where CUDA exists: registering a triton_op pulls in torch's Triton-kernel

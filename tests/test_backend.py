@@ -168,6 +168,26 @@ def test_graph_op_choice():
         assert ops.graph_op("cuda") is torch.ops.qattn.attention_triton.default
 
 
+@pytest.mark.parametrize("heads_inside", [False, True])
+def test_custom_op_output_is_contiguous_whatever_q_layout(heads_inside):
+    """The custom op (CPU sites) returns a contiguous output, as its fake says: Inductor may
+    hand it a q stored otherwise than the fake q was (an output following q's layout failed
+    Inductor's stride check in the compiled tiny Llama)."""
+    from qattn_compile import ops
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 37, 4, 32)
+    q = q.transpose(1, 2) if heads_inside else q.permute(0, 2, 1, 3).contiguous()
+    k, v = torch.randn(2, 2, 37, 32), torch.randn(2, 2, 37, 32)
+    args = (q, k, v, None, True, None, "flash", "{}")
+    out = torch.ops.qattn.attention(*args)
+    assert ops.heads_inside_tokens(q) == heads_inside and out.is_contiguous()
+    torch.library.opcheck(torch.ops.qattn.attention.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_tiny_llama_causal_mask_is_served_as_is_causal():
     """transformers' materialized causal+padding mask: the report says its causal part became
     ``is_causal`` (the explain table too), and the output is still exact."""

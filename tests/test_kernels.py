@@ -187,6 +187,32 @@ def test_smoothing_means_and_delta_s():
     assert torch.equal(got.data, ref_q) and torch.equal(got.scale, ref_scale)
 
 
+@pytest.mark.parametrize("group, num_bits, d", [(16, 8, 80), (1, 8, 32), (16, 4, 40), (128, 8, 48)])
+def test_smoothed_quantizer_computes_the_block_means_itself(group, num_bits, d):
+    """SageAttention2's Q: block means and quantization in one pass. Odd length (a partial
+    last block), channel outliers; the means match the reference's up to the order of the
+    sums, and the values and scales are the two-pass quantizer's given those means."""
+    q = make_qkv(hq=3, lq=300, d=d, dtype=torch.float32, k_outliers=True)[1] * 3 + 1.5
+    got = kq.quantize_int_smoothed(q, group, num_bits, mean_group=SMOOTH_Q_BLOCK, scale_mul=0.7)
+    _, ref_mean = rsmooth.smooth_q(q)
+    assert got.mean.shape == ref_mean.shape == (1, 3, 3, d)
+    torch.testing.assert_close(got.mean, ref_mean, rtol=1e-6, atol=1e-5)
+    want = kq.quantize_int(q, group, num_bits, scale_mul=0.7, mean=got.mean,
+                           mean_group=SMOOTH_Q_BLOCK)
+    assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
+    ref_q, ref_scale = rq.quantize_int(q - rsmooth.expand_blocks(got.mean, SMOOTH_Q_BLOCK, 300),
+                                       group, num_bits)
+    assert torch.equal(got.scale, ref_scale * 0.7)
+    values = rq.unpack_int4(got.data, d) if num_bits == 4 else got.data
+    assert torch.equal(values, ref_q)
+
+
+def test_smoothed_quantizer_refuses_groups_beyond_one_tile():
+    q = torch.randn(1, 1, 64, 32)
+    with pytest.raises(ValueError, match="group=45, mean_group=128"):
+        kq.quantize_int_smoothed(q, 45, mean_group=SMOOTH_Q_BLOCK)
+
+
 def test_delta_s_many_query_blocks_gqa():
     """ΔS tiles over more q̄ rows than one program holds (n_blocks > 64), GQA, odd lengths."""
     q_mean = torch.randn(1, 4, 70, 48)
@@ -229,25 +255,6 @@ def test_lowered_int8_quantizer_matches_the_kernel(group):
         got_data, got_scale = lowered.quantize_int8(x, group, **kwargs)
         want = kq.quantize_int(x, group, 8, **kwargs)
         assert torch.equal(got_data, want.data) and torch.equal(got_scale, want.scale), kwargs
-    got_data, _ = lowered.quantize_int8(x, group, transposed_length=64)
-    want = kq.quantize_int(x, group, 8, transpose=True)
-    assert got_data.shape == want.data.shape == (1, 3, 40, 64)
-    assert torch.equal(got_data, want.data)  # same token order, padding zeros in both
-
-
-@pytest.mark.parametrize("length, padded", [(64, 64), (45, 64)])
-def test_lowered_transposed_values_keep_the_kernels_layout(length, padded):
-    """Under tracing (fake tensors, as inside torch.compile) the torch-form INT8 V is laid out
-    as the quantizer kernel writes it, ``[B, H, D, L_pad]`` with tokens contiguous, also when
-    the length needs no padding (pad then kept the transposed view's strides, and the
-    attention kernel fell back from TMA to pointer loads), and for a projection output
-    stored ``[B, L, H, D]``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        x = torch.empty(2, length, 3, 40).transpose(1, 2)
-        data = kq.quantize_int(x, length, 8, transpose=True).data
-        assert data.shape == (2, 3, 40, padded) and data.is_contiguous(), data.stride()
 
 
 def test_lowered_means_match_the_kernels():
@@ -286,7 +293,7 @@ def _v_order_probe(p_ptr, relabelled_ptr, columns_ptr, M: tl.constexpr, N: tl.co
 def test_v_token_order_kernel_and_torch_forms_agree():
     """The quantizer stores token ``t`` at column ``v_column_of_token(t)``; the kernel's
     relabelled P must hold at column ``c`` the score of the token stored there, and the torch
-    forms (the lowering's INT8 V, ``v_in_token_order``) must use the same map."""
+    form (``v_in_token_order``) must use the same map."""
     m, n = 2, 128
     p = torch.arange(m * n, dtype=torch.int32).reshape(m, n)
     relabelled = torch.empty_like(p)
@@ -296,8 +303,7 @@ def test_v_token_order_kernel_and_torch_forms_agree():
     assert torch.equal(columns.long(), lowered.v_column_of_token(tokens))
     assert sorted(columns.tolist()) == tokens.tolist()  # a permutation within 32-token blocks
     assert torch.equal((columns // 32).long(), tokens // 32)
-    token_at = lowered.v_token_of_column(tokens)
-    assert torch.equal(lowered.v_column_of_token(token_at), tokens)
+    token_at = torch.argsort(columns.long())  # the token stored at each column
     assert torch.equal(relabelled, p[:, token_at])
     assert not torch.equal(token_at, tokens)  # the order is not the identity
 
@@ -545,6 +551,17 @@ def test_fmha_static_scales():
     out = kernel_attention(q, k, v, preset="fmha_int8", options=options)
     ref = reference_attention(q, k, v, preset="fmha_int8", options=options, key_tile=32)
     assert rel_l1(out, exact) <= 1.05 * rel_l1(ref, exact) + EPS
+
+
+@pytest.mark.parametrize("preset", ["flash", "sage2_8b"])
+def test_output_stored_like_a_projection_output(preset):
+    """Q as transformers passes it (``[B, L, H, D]`` viewed per head): the kernel writes its
+    output in that order (heads inside tokens), with the values of a contiguous call."""
+    q, k, v = make_qkv(hq=4, hkv=2, lq=45, d=32)
+    q_bl = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out = kernel_attention(q_bl, k, v, is_causal=True, preset=preset)
+    assert out.transpose(1, 2).is_contiguous() and not out.is_contiguous()
+    assert torch.equal(out, kernel_attention(q.contiguous(), k, v, is_causal=True, preset=preset))
 
 
 @pytest.mark.parametrize("preset", ["flash", "fp8", "int_flash"])

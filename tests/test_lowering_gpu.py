@@ -38,8 +38,7 @@ def test_attention_kernels_are_inlined_by_inductor(preset):
     code = "\n".join(codes)
     assert [r.status for r in be.site_reports] == ["rewritten"]
     assert "def attention_kernel(" in code
-    # int_flash's quantizers are all Inductor's now; sage2_8b keeps the FP8 V kernel.
-    assert ("def _quantize_kernel(" in code) == (preset == "sage2_8b")
+    assert "def _quantize_kernel(" in code  # the transposed 8-bit V
     assert "torch.ops.qattn" not in code, "the op must be inlined, not called"
     ref = exact_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert compare(out, ref)["cos"] > 0.998
@@ -82,7 +81,7 @@ class RotaryAttention(nn.Module):
 def test_quantizers_fuse_with_rope(preset):
     """Under torch.compile the Q/K quantizers (smoothing means, INT8 quantization) are
     Inductor ops: RoPE's rotation and the quantizer's rounding land in the same generated
-    kernel, and no quantizer kernel reads a materialized rotated Q or K."""
+    kernel (not for sage2_8b, see below)."""
     _compat.reset_dynamo()
     q, k, v = _inputs()
     angles = torch.rand(777, 128, device="cuda") * 6.28
@@ -94,16 +93,66 @@ def test_quantizers_fuse_with_rope(preset):
     names = re.findall(r"def (triton_\w+)\(", code)
     user = re.findall(r"def (_\w+_kernel|attention_kernel)\(", code)
     print(f"{preset}: Inductor kernels {names}; inlined qattn kernels {user}")
-    fused = [n for n in names if "round" in n and "neg" in n]
-    assert fused, names  # RoPE (rotate_half's neg) and the quantizer's rounding in one kernel
-    # Only sage2_8b's FP8 per-channel V still has quantizer kernels (and the ΔS GEMM).
+    # RoPE (rotate_half's cat) and the quantizer's rounding in one kernel. Not for sage2_8b:
+    # its ΔS GEMM reads the rotated K, and its Q is one quantizer pass of ours (block means
+    # and group scales together) over the rotated Q.
     sage = preset == "sage2_8b"
-    assert ("_quantize_kernel" in user) == sage and ("_token_stats_kernel" in user) == sage
-    assert ("_delta_s_kernel" in user) == sage
+    fused = [n for n in names if "round" in n and "cat" in n]
+    assert bool(fused) != sage, names
+    # The transposed 8-bit V's quantizer (after its statistics kernel where one scale spans
+    # more tokens than a tile: int_flash per tensor, sage2_8b per channel); sage2_8b also
+    # its smoothed Q (one pass) and ΔS.
+    assert user.count("_quantize_kernel") == (2 if sage else 1), user
+    assert ("_token_stats_kernel" in user) == (preset != "turbo"), user
+    assert ("_delta_s_kernel" in user) == sage, user
     rotated = [t.float() * cos + torch.cat((-t.float()[..., 64:], t.float()[..., :64]), -1) * sin
                for t in (q, k)]
     ref = exact_attention(rotated[0], rotated[1], v.float(), is_causal=True)
     assert compare(out, ref)["cos"] > 0.998
+
+
+class ProjectedAttention(nn.Module):
+    """Q from a projection viewed per head (``[B, L, H, D]`` memory, as transformers passes
+    it), causal GQA SDPA, the output transposed back and projected."""
+
+    def __init__(self, heads=8, dim=64):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.q_proj = nn.Linear(heads * dim, heads * dim, bias=False)
+        self.o_proj = nn.Linear(heads * dim, heads * dim, bias=False)
+
+    def forward(self, x, k, v):
+        bsz, length, _ = x.shape
+        q = self.q_proj(x).view(bsz, length, self.heads, self.dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, length, -1))
+
+
+@pytest.mark.parametrize("preset", ["int_flash", "sage2_8b", "fp8"])
+def test_attention_output_feeds_the_projection_without_a_copy(preset):
+    """The generated code launches nothing between the attention kernel and the output
+    projection's GEMM (the output is stored ``[B, L, H, D]``, so the transpose is a view),
+    fills no one-element stand-ins for absent kernel operands, does not copy the 8-bit Q
+    (one tensor passed as several kernel arguments is copied per argument), and copies no
+    statistics out of a shared buffer."""
+    _compat.reset_dynamo()
+    model = ProjectedAttention().to("cuda", torch.bfloat16)
+    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    be = qattn_compile.backend({"qattn": 1, "default": preset})
+    with torch.no_grad():
+        out, codes = _compat.run_and_get_code(torch.compile(model, backend=be, fullgraph=True), x, k, v)
+        want = model(x, k, v)
+    code = "\n".join(codes)
+    after = code[re.search(r"attention_kernel_\d+\.run\(", code).end():]
+    next_launch = after.find(".run(")
+    assert next_launch == -1 or after.index("extern_kernels.mm(") < next_launch, \
+        "a kernel runs between the attention kernel and o_proj"
+    assert not re.search(r"\.run\(buf\d+, 1, stream=", code), "a one-element fill kernel"
+    eight_bit_q = re.findall(r"empty_strided_cuda\(\(2, 8, 300, 64\), [^)]*\), torch\.(?:int8|float8)", code)
+    assert len(eight_bit_q) == 1, f"the 8-bit Q is copied: {eight_bit_q}"
+    assert not re.findall(r"def triton_\w*fused_select_\d+\(", code)
+    assert compare(out, want)["cos"] > 0.995
 
 
 def test_reduce_overhead_cuda_graphs_run_the_inlined_kernels():

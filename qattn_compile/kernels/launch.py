@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .. import _compat
 from ..blocks import SMOOTH_Q_BLOCK, group_sizes
+from ..ops import heads_inside_tokens, output_buffer
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
 from . import attention as ak
@@ -40,6 +41,7 @@ from .quantize import (
     quantize_fp8,
     quantize_fp8_per_channel,
     quantize_int,
+    quantize_int_smoothed,
     smooth_mean,
 )
 
@@ -144,8 +146,11 @@ def _prepare_sage2(q, k, v, opts, qk_mul, causal, num_bits: int) -> Operands:
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes(opts.qk_granularity, lq, lkv)
     k_mean = smooth_mean(k) if opts.smooth_k else None
-    q_mean = smooth_mean(q, SMOOTH_Q_BLOCK) if opts.smooth_q else None
-    qq = quantize_int(q, gq, num_bits, scale_mul=qk_mul, mean=q_mean, mean_group=SMOOTH_Q_BLOCK)
+    if opts.smooth_q:
+        qq = quantize_int_smoothed(q, gq, num_bits, mean_group=SMOOTH_Q_BLOCK, scale_mul=qk_mul)
+    else:
+        qq = quantize_int(q, gq, num_bits, scale_mul=qk_mul)
+    q_mean = qq.mean
     kq = quantize_int(k, gk, num_bits, mean=k_mean)
     qk_fmt = ak.QK_INT8 if num_bits == 8 else ak.QK_INT4
     # Packed INT4 bytes are read as int8 so that arithmetic shifts sign-extend the nibbles.
@@ -212,22 +217,23 @@ _PREPARE = {
 # ----------------------------------------------------------------------------- launch
 
 
-def _scale_args(scale: Tensor | None, group: int, dummy: Tensor) -> tuple[Tensor, int, tuple]:
+def _scale_args(scale: Tensor | None, group: int, device: torch.device) -> tuple[Tensor, int, tuple]:
     """(pointer, constexpr group, (stride_b, stride_h, stride_group)) of a ``[B, H, n]``
     scale; one group (per tensor) is :data:`~.attention.PER_TENSOR_GROUP` tokens with stride
-    0, no scale a dummy."""
+    0, no scale a float32 1.0 at stride 0."""
     if scale is None:
-        return dummy, 1, (0, 0, 0)
+        return torch.ones(1, device=device, dtype=torch.float32), 1, (0, 0, 0)
     sb, sh, sg = scale.stride()
     if scale.shape[-1] == 1:
         return scale, ak.PER_TENSOR_GROUP, (sb, sh, 0)
     return scale, group, (sb, sh, sg)
 
 
-def _v_scale_args(ops: Operands, dummy: Tensor) -> tuple[Tensor, int, int, tuple]:
-    """(pointer, V_SCALE mode, V_GROUP, strides) of V's scale (see the kernel's docstring)."""
+def _v_scale_args(ops: Operands, absent) -> tuple[Tensor, int, int, tuple]:
+    """(pointer, V_SCALE mode, V_GROUP, strides) of V's scale (see the kernel's docstring);
+    ``absent()`` makes the stand-in of an absent scale."""
     if ops.v_scale is None:
-        return dummy, int(ak.VS_NONE), 1, (0, 0, 0)
+        return absent(), int(ak.VS_NONE), 1, (0, 0, 0)
     sb, sh, sg = ops.v_scale.stride()
     if ops.v_per_channel:
         return ops.v_scale, int(ak.VS_CHANNEL), 1, (sb, sh, sg)
@@ -265,21 +271,27 @@ def _launch(
     """
     bsz, hq, hkv, lq, lkv, dim = shape
     dv = out.shape[-1]
-    dummy = torch.ones(1, device=out.device, dtype=torch.float32)
+    # Absent operands: the kernel never reads them (constexpr switches). Each gets its own
+    # uninitialised one-element tensor: under Inductor an initialised one is a fill kernel,
+    # and one tensor passed as several arguments is copied once per extra argument.
+    def absent() -> Tensor:
+        return torch.empty(1, device=out.device, dtype=torch.float32)
+
     exact = interpreted(out.device)
-    qs, q_group, qs_strides = _scale_args(ops.q_scale, ops.q_group, dummy)
-    ks, k_group, ks_strides = _scale_args(ops.k_scale, ops.k_group, dummy)
-    vs, v_mode, v_group, vs_strides = _v_scale_args(ops, dummy)
+    qs, q_group, qs_strides = _scale_args(ops.q_scale, ops.q_group, out.device)
+    ks, k_group, ks_strides = _scale_args(ops.k_scale, ops.k_group, out.device)
+    vs, v_mode, v_group, vs_strides = _v_scale_args(ops, absent)
     vsb, vsh, vs1, vs2 = ops.v.stride()
     v_strides = (vsb, vsh, vs2, vs1) if ops.v_transposed else (vsb, vsh, vs1, vs2)
-    ds = ops.delta_s if ops.delta_s is not None else dummy
+    ds = ops.delta_s if ops.delta_s is not None else absent()
     ds_strides = ops.delta_s.stride()[:3] if ops.delta_s is not None else (0, 0, 0)
-    vmean = ops.v_mean if ops.v_mean is not None else dummy
+    vmean = ops.v_mean if ops.v_mean is not None else absent()
     vm_strides = ops.v_mean.stride()[:2] if ops.v_mean is not None else (0, 0)
-    colsum = ops.v_colsum if ops.v_colsum is not None else dummy
+    colsum = ops.v_colsum if ops.v_colsum is not None else absent()
     cs_strides = ops.v_colsum.stride()[:3] if ops.v_colsum is not None else (0, 0, 0)
     if mask is None:
-        mode, mvals, msum, mtiles, mcount = int(ak.MASK_NONE), dummy, dummy, dummy, dummy
+        mode = int(ak.MASK_NONE)
+        mvals, msum, mtiles, mcount = absent(), absent(), absent(), absent()
         m_strides = s_strides = t_strides = (0, 0, 0, 0)
         c_strides = (0, 0, 0)
     else:
@@ -397,10 +409,13 @@ class PreparedAttention:
     shape: tuple[int, int, int, int, int, int]  # (B, Hq, Hkv, Lq, Lkv, D)
     out_shape: tuple[int, int, int, int]  # (B, Hq, Lq, Dv)
     out_dtype: torch.dtype
+    out_heads_inside_tokens: bool  # the output stored [B, Lq, Hq, Dv] (see output_buffer)
 
     def run(self) -> Tensor:
-        """Launch the attention kernel; returns a fresh ``[B, Hq, Lq, Dv]`` in ``out_dtype``."""
-        out = torch.empty(self.out_shape, device=self.ops.q.device, dtype=self.out_dtype)
+        """Launch the attention kernel; returns a fresh ``[B, Hq, Lq, Dv]`` in ``out_dtype``
+        (stored as :func:`output_buffer` says)."""
+        out = output_buffer(self.out_shape, self.out_dtype, self.ops.q.device,
+                            self.out_heads_inside_tokens)
         _launch(self.ops, out, self.shape, self.mask, self.is_causal, self.qk_scale, self.cfg,
                 self.dot_precision)
         return out
@@ -464,6 +479,7 @@ def prepare_attention(
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         shape=(bsz, hq, hkv, lq, lkv, dim), out_shape=(bsz, hq, lq, dv),
         out_dtype=torch.float32 if quantize_out else q.dtype,
+        out_heads_inside_tokens=heads_inside_tokens(q),
     )
 
 

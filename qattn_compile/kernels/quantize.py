@@ -22,12 +22,14 @@ Kernels:
   block means, large-group and per-channel amax.
 - :func:`_quantize_kernel`: quantize a ``BLOCK_T``-token tile; scales either computed in the
   tile (groups that fit in it) or read (large groups, per channel, static amax); optional
-  mean subtraction (smoothing), INT4 packing, transposed output.
+  mean subtraction (smoothing; block means read or computed in the tile), INT4 packing,
+  transposed output.
 - :func:`_delta_s_kernel`: SageAttention2's ``ΔS = q̄·(K − k̄)ᵀ`` per query block.
 
 While torch traces (inside ``torch.compile``), the INT8 quantizer and the smoothing means
 take their torch form from :mod:`qattn_compile.lowering.quantize` instead, so that Inductor
-fuses them with the ops that produce Q and K.
+fuses them with the ops that produce Q and K; the transposed 8-bit V and
+:func:`quantize_int_smoothed` (smoothed Q, one pass) stay Triton kernels.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ _SCALE_IN_TILE = tl.constexpr(0)  # token groups that fit in one tile: amax comp
 _SCALE_PER_GROUP = tl.constexpr(1)  # precomputed scale per token group
 _SCALE_PER_CHANNEL = tl.constexpr(2)  # precomputed scale per channel
 
+# _quantize_kernel's smoothing: no mean, a given mean, or block means computed in the tile.
+_MEAN_NONE = tl.constexpr(0)
+_MEAN_READ = tl.constexpr(1)
+_MEAN_IN_TILE = tl.constexpr(2)
+
 # _quantize_kernel's output formats.
 _OUT_INT = tl.constexpr(0)
 _OUT_INT4_PACKED = tl.constexpr(1)
@@ -71,8 +78,9 @@ _OUT_FP8 = tl.constexpr(2)
 
 _MAX_TILE_GROUP = 128  # largest token group a quantizer tile reduces by itself
 _STATS_CHUNK = 256  # tokens per program of the statistics kernel
+_MIN_PROGRAMS = 512  # the ΔS kernel splits its work finer below this many programs
 _STATS_TILE_ELEMENTS = 2048  # elements per loaded tile there (three running tiles of them)
-_DS_KEY_TILES = 8  # key tiles per ΔS program (its q̄ rows are loaded and split once)
+_DS_KEY_TILES = 8  # key tiles per ΔS program, at most (its q̄ rows are loaded and split once)
 
 
 @dataclass(frozen=True)
@@ -157,15 +165,19 @@ def _quantize_kernel(
     sqb, sqh, sql, sqd,
     n_groups_out, n_colsum,
     QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    SCALE_MODE: tl.constexpr, GROUP: tl.constexpr, SUB_MEAN: tl.constexpr,
+    SCALE_MODE: tl.constexpr, GROUP: tl.constexpr,
+    MEAN_MODE: tl.constexpr, MEAN_GROUP: tl.constexpr,
     OUT_FMT: tl.constexpr, EXACT_FP8: tl.constexpr, COLSUM: tl.constexpr,
     V_ORDER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Quantize tokens ``[t0, t0 + BLOCK_T)`` of one (batch, head) (grid ``(cdiv(L, BLOCK_T),
     B*H)``).
 
-    x: ``[B, H, L, D]``; mean (``SUB_MEAN``): ``[B, H, n, D]`` float32, token ``t`` subtracts
-    row ``t // mean_group`` (strides ``smb, smh, smg``; channel stride 1).
+    x: ``[B, H, L, D]``; mean ``[B, H, n, D]`` float32, token ``t`` subtracts row ``t //
+    mean_group`` (strides ``smb, smh, smg``; channel stride 1): read (``MEAN_MODE`` =
+    ``_MEAN_READ``), or computed here and written (``_MEAN_IN_TILE``: blocks of
+    ``MEAN_GROUP`` = ``mean_group`` tokens, a power of two dividing ``BLOCK_T``; the mean
+    of a partial last block is over its tokens), so that smoothing reads x once.
     Scales (``SCALE_MODE``): in-tile groups of ``GROUP`` tokens (power of two dividing
     ``BLOCK_T``), written ``* scale_mul`` to ``scale_out`` ``[B*H, n_groups_out]``; or read
     from ``scale_in`` per group (token ``t`` → ``t // scale_group``, strides ``ssb, ssh,
@@ -185,9 +197,20 @@ def _quantize_kernel(
     cols = tl.arange(0, BLOCK_D)
     valid = (rows[:, None] < L) & (cols[None, :] < D)
     x = load_tile(x_ptr + b * sxb + h * sxh, rows, cols, sxl, sxd, L, D, 0.0).to(tl.float32)
-    if SUB_MEAN:
+    if MEAN_MODE == _MEAN_READ:
         mean = load_tile(mean_ptr + b * smb + h * smh, rows // mean_group, cols, smg, 1,
                          tl.cdiv(L, mean_group), D, 0.0)
+        x = tl.where(valid, x - mean, 0.0)
+    elif MEAN_MODE == _MEAN_IN_TILE:
+        blocks: tl.constexpr = BLOCK_T // MEAN_GROUP
+        block_idx = pid_t * blocks + tl.arange(0, blocks)
+        counts = tl.minimum(L - block_idx * MEAN_GROUP, MEAN_GROUP).to(tl.float32)
+        sums = tl.sum(tl.reshape(x, (blocks, MEAN_GROUP, BLOCK_D)), axis=1)  # x is 0 off L
+        block_mean = tl.div_rn(sums, tl.maximum(counts, 1.0)[:, None])
+        store_tile(mean_ptr + b * smb + h * smh, block_mean, block_idx, cols, smg, 1,
+                   tl.cdiv(L, MEAN_GROUP), D)
+        mean = tl.reshape(tl.broadcast_to(block_mean[:, None, :], (blocks, MEAN_GROUP, BLOCK_D)),
+                          (BLOCK_T, BLOCK_D))
         x = tl.where(valid, x - mean, 0.0)
     if SCALE_MODE == _SCALE_IN_TILE:
         groups: tl.constexpr = BLOCK_T // GROUP
@@ -328,15 +351,18 @@ def token_stats(
     chunk = min(_STATS_CHUNK, triton.next_power_of_2(max(group, 1)))
     chunks_per_group = triton.cdiv(max(group, 1), chunk)
     n_chunks = n_groups * chunks_per_group
-    partial = torch.empty((3, bsz, heads, n_chunks, dim), device=x.device, dtype=torch.float32)
+    # Three buffers, not views of one: under torch.compile a kernel writing into views makes
+    # functionalization copy each view out of the base.
+    sums, maxs, mins = (torch.empty((bsz, heads, n_chunks, dim), device=x.device,
+                                    dtype=torch.float32) for _ in range(3))
     interpreted(x.device)
     launcher(_token_stats_kernel, x)[(n_chunks, bsz * heads)](
-        x, partial[0], partial[1], partial[2], length, dim, group, chunks_per_group, n_chunks,
+        x, sums, maxs, mins, length, dim, group, chunks_per_group, n_chunks,
         *x.stride(), heads, CHUNK=chunk,
         BLOCK_T=min(max(_STATS_TILE_ELEMENTS // padded_dim(dim), 1), chunk),
         BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
-    sums, maxs, mins = partial.view(3, bsz, heads, n_groups, chunks_per_group, dim).unbind(0)
+    sums, maxs, mins = (t.view(bsz, heads, n_groups, chunks_per_group, dim) for t in (sums, maxs, mins))
     # Tokens per group (the last may be partial), built on the device: a host→device copy
     # here would synchronize with the GPU on every call.
     starts = torch.arange(n_groups, device=x.device, dtype=torch.float32) * group
@@ -364,6 +390,7 @@ def _launch_quantize(
     mean: Tensor | None,
     mean_group: int,
     scale_mul: float,
+    mean_in_tile: bool = False,
     colsum: Tensor | None = None,
     colsum_chunk: int = 0,
     transposed: bool = False,
@@ -375,11 +402,14 @@ def _launch_quantize(
     ``scale_in`` ``None``: scales computed per in-tile group of ``group`` tokens and returned
     (float32 ``[B, H, n_groups]``, times ``scale_mul``); otherwise ``scale_in`` (float32
     ``[B, H, n_groups]`` or ``[B, H, D]`` with ``per_channel``) is used and ``None`` returned.
+    ``mean``: float32 ``[B, H, n, D]`` subtracted per ``mean_group`` tokens; with
+    ``mean_in_tile`` the kernel computes it (``mean_group`` a power of two) and writes it there.
     ``colsum``: int32 ``[B, H, n_chunks, D]`` filled with per-``colsum_chunk`` channel sums.
     """
     bsz, heads, length, dim = x.shape
     in_tile = scale_in is None
-    cfg = quant_config(dim, x.device, max(group if in_tile else 1, colsum_chunk))
+    min_tokens = max(group if in_tile else 1, colsum_chunk, mean_group if mean_in_tile else 1)
+    cfg = quant_config(dim, x.device, min_tokens)
     block_t = cfg.block_t
     n_groups = _num_groups(length, group)
     scale_out = torch.empty((bsz, heads, n_groups), device=x.device, dtype=torch.float32)
@@ -391,6 +421,7 @@ def _launch_quantize(
         mode, sin, sin_strides = int(_SCALE_PER_GROUP), scale_in, scale_in.stride()
     mean_t = mean if mean is not None else scale_out
     mean_strides = mean.stride()[:3] if mean is not None else (0, 0, 0)
+    mean_mode = _MEAN_NONE if mean is None else _MEAN_IN_TILE if mean_in_tile else _MEAN_READ
     exact = interpreted(x.device)
     launcher(_quantize_kernel, x)[(triton.cdiv(length, block_t), bsz * heads)](
         x, mean_t, sin, out, scale_out, colsum if colsum is not None else scale_out,
@@ -398,7 +429,8 @@ def _launch_quantize(
         scale_mul, *x.stride(), *mean_strides, *sin_strides, *out_strides, n_groups,
         colsum.shape[2] if colsum is not None else 0,
         QMAX=qmax, AMAX_FLOOR=AMAX_MIN, SCALE_MODE=mode, GROUP=group if in_tile else 1,
-        SUB_MEAN=mean is not None, OUT_FMT=out_fmt, EXACT_FP8=exact,
+        MEAN_MODE=int(mean_mode), MEAN_GROUP=mean_group if mean_in_tile else 1,
+        OUT_FMT=out_fmt, EXACT_FP8=exact,
         COLSUM=colsum_chunk if colsum is not None else 0, V_ORDER=transposed,
         BLOCK_T=block_t, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
@@ -452,22 +484,13 @@ def quantize_int(
     also return the int32 channel sums of the quantized values per chunk of that many
     tokens, ``[B, H, ceil(L / chunk), D]`` (fmha_int8's UINT8-P correction).
     """
-    if num_bits == 8 and not colsum_chunk and lowered.decomposed(x):
-        padded = _padded_length(x.shape[-2]) if transpose else None
+    if num_bits == 8 and not colsum_chunk and not transpose and lowered.decomposed(x):
         data, scale = lowered.quantize_int8(x, group, scale_mul=scale_mul, mean=mean,
-                                            mean_group=mean_group, amax=amax,
-                                            transposed_length=padded)
-        return Quantized(data, scale, group, transposed=transpose, mean=mean)
+                                            mean_group=mean_group, amax=amax)
+        return Quantized(data, scale, group, mean=mean)
     qmax = INT_QMAX[num_bits]
     bsz, heads, length, dim = x.shape
-    if num_bits == 4:
-        if transpose:
-            raise ValueError("INT4 values are only stored row-major (Q and K)")
-        data = torch.empty((bsz, heads, length, (dim + 1) // 2), device=x.device, dtype=torch.uint8)
-        view, out_fmt = data.view(torch.int8), int(_OUT_INT4_PACKED)
-    else:
-        data = view = _alloc_8bit(x, torch.int8, transpose)
-        out_fmt = int(_OUT_INT)
+    data, view, out_fmt = _alloc_int(x, num_bits, transpose)
     strides = _value_strides(view, transpose)
     in_tile = amax is None and _fits_in_tile(group)
     scale_in = None if in_tile else _group_scale(x, group, qmax, mean, amax)
@@ -485,6 +508,37 @@ def quantize_int(
         scale = scale_in * scale_mul
     return Quantized(data, scale, group, transposed=transpose, packed=num_bits == 4, mean=mean,
                      colsum=colsum)
+
+
+def quantize_int_smoothed(
+    x: Tensor, group: int, num_bits: int = 8, *, mean_group: int, scale_mul: float = 1.0
+) -> Quantized:
+    """:func:`quantize_int` of ``x`` minus its channel means per block of ``mean_group``
+    tokens (SageAttention2's Q smoothing), the means computed by the quantizer itself: one
+    read of ``x`` instead of a statistics pass and a quantizing pass. ``Quantized.mean``
+    holds them, float32 ``[B, H, ceil(L / mean_group), D]`` (a partial last block averages
+    its own tokens).
+
+    ``group`` and ``mean_group`` are powers of two, ``group ≤ mean_group ≤``
+    :data:`_MAX_TILE_GROUP` (SageAttention2's granularities: 1, 16 or 128 tokens per scale,
+    128 per mean). This runs the Triton kernel also while torch traces: Inductor cannot do
+    it in one pass (the block means and the group absmax are reductions over different token
+    sets, so it wrote the rotated Q once and read it three times).
+    """
+    if not (_fits_in_tile(group) and _fits_in_tile(mean_group) and group <= mean_group):
+        raise ValueError(f"smoothed quantization in one pass needs power-of-two groups with "
+                         f"group ≤ mean_group ≤ {_MAX_TILE_GROUP}; got group={group}, "
+                         f"mean_group={mean_group}")
+    bsz, heads, length, dim = x.shape
+    data, view, out_fmt = _alloc_int(x, num_bits, False)
+    mean = torch.empty((bsz, heads, _num_groups(length, mean_group), dim), device=x.device,
+                       dtype=torch.float32)
+    scale = _launch_quantize(
+        x, view, _value_strides(view, False), qmax=INT_QMAX[num_bits], out_fmt=out_fmt,
+        group=group, scale_in=None, per_channel=False, mean=mean, mean_group=mean_group,
+        scale_mul=scale_mul, mean_in_tile=True,
+    )
+    return Quantized(data, scale, group, packed=num_bits == 4, mean=mean)
 
 
 def quantize_fp8(
@@ -562,13 +616,16 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float, 
     kmean = k_mean.contiguous() if k_mean is not None else q_mean
     # q̄ rows per program: a dot needs at least 16; 64 covers 8K query tokens per tile.
     block_b = min(64, max(16, triton.next_power_of_2(n_blocks)))
-    grid = (triton.cdiv(max(lkv, 1), _DS_KEY_TILES * cfg.block_t),
-            triton.cdiv(n_blocks, block_b), bsz * hq)
+    tiles = _DS_KEY_TILES
+    while tiles > 1 and (triton.cdiv(max(lkv, 1), tiles * cfg.block_t)
+                         * triton.cdiv(n_blocks, block_b) * bsz * hq) < _MIN_PROGRAMS:
+        tiles //= 2  # short sequences: fewer key tiles per program, more programs
+    grid = (triton.cdiv(max(lkv, 1), tiles * cfg.block_t), triton.cdiv(n_blocks, block_b), bsz * hq)
     launcher(_delta_s_kernel, k)[grid](
         q_mean.contiguous(), k, kmean, out, lkv, dim, n_blocks, hq // hkv, hq, scale_mul,
         *k.stride(), SUB_K_MEAN=k_mean is not None, PRECISION="ieee" if exact else "tf32x3",
         SPLIT_Q=not exact and k.dtype in (torch.bfloat16, torch.float16), CAUSAL=causal,
-        Q_BLOCK=SMOOTH_Q_BLOCK, TILES=_DS_KEY_TILES, BLOCK_T=cfg.block_t, BLOCK_B=block_b,
+        Q_BLOCK=SMOOTH_Q_BLOCK, TILES=tiles, BLOCK_T=cfg.block_t, BLOCK_B=block_b,
         BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
     return out
@@ -598,6 +655,20 @@ def _alloc_8bit(x: Tensor, dtype: torch.dtype, transpose: bool) -> Tensor:
     else:
         data = torch.empty((bsz, heads, length, dim), device=x.device, dtype=dtype)
     return data
+
+
+def _alloc_int(x: Tensor, num_bits: int, transpose: bool) -> tuple[Tensor, Tensor, int]:
+    """``(data, view, out_fmt)`` for INT values of ``x`` ``[B, H, L, D]``: INT8 as
+    :func:`_alloc_8bit`; INT4 packed uint8 ``[B, H, L, ceil(D/2)]`` with its int8 view (the
+    kernel writes bytes)."""
+    if num_bits == 8:
+        data = _alloc_8bit(x, torch.int8, transpose)
+        return data, data, int(_OUT_INT)
+    if transpose:
+        raise ValueError("INT4 values are only stored row-major (Q and K)")
+    bsz, heads, length, dim = x.shape
+    data = torch.empty((bsz, heads, length, (dim + 1) // 2), device=x.device, dtype=torch.uint8)
+    return data, data.view(torch.int8), int(_OUT_INT4_PACKED)
 
 
 def _value_strides(view: Tensor, transpose: bool) -> tuple[int, int, int, int]:
