@@ -219,12 +219,33 @@ def test_native_pv_sage2_takes_its_own_h100_tile(monkeypatch):
     plans = {pv: prepare_attention(q, k, v, preset="sage2_8b", options={"pv": pv}).cfg
              for pv in ("fp16", "fp8")}
     assert plans == {"fp16": AttentionConfig(128, 64, 4, 3, tma=True),
-                     "fp8": AttentionConfig(64, 128, 4, 3, tma=True)}
+                     "fp8": AttentionConfig(64, 64, 4, 3, tma=True)}  # 40 keys: the short tile
     d64 = {pv: prepare_attention(*(t[..., :64] for t in (q, k, v)), preset="sage2_8b",
                                  options={"pv": pv}).cfg
            for pv in ("fp16", "fp8")}
     assert d64 == {"fp16": AttentionConfig(64, 128, 4, 3, tma=True),  # no entry of its own
-                   "fp8": AttentionConfig(64, 128, 4, 3, tma=True)}
+                   "fp8": AttentionConfig(64, 64, 4, 3)}  # 40 keys: the short tile
+
+
+def test_short_key_lengths_take_their_measured_h100_tiles(monkeypatch):
+    """Up to each entry's key length the table gives the tile measured for short sequences
+    (sage2_8b and fp8 at D=128: 64×64; sage2_8b at D=64 up to 1K keys: 64×64 pointer loads),
+    beyond it the long-sequence tile; int_flash has no short entry, and the autotuner's
+    first candidate is the same entry."""
+    from qattn_compile.kernels import heuristics
+
+    monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
+    long_tile, square = AttentionConfig(64, 128, 4, 3, tma=True), AttentionConfig(64, 64, 4, 3, tma=True)
+    cases = [("sage2_8b", 128, 4096, square), ("sage2_8b", 128, 4097, long_tile),
+             ("fp8", 128, 2048, square), ("fp8", 128, 2049, long_tile),
+             ("sage2_8b", 64, 1024, AttentionConfig(64, 64, 4, 3)), ("sage2_8b", 64, 1025, long_tile),
+             ("int_flash", 128, 1024, long_tile), ("sage2_8b", 128, None, long_tile)]
+    for preset, dim, keys, want in cases:
+        smooth = preset == "sage2_8b"
+        got = heuristics.attention_config(preset, dim, CPU, torch.bfloat16, smooth_q=smooth, keys=keys)
+        first = heuristics.attention_candidates(preset, dim, CPU, torch.bfloat16, smooth_q=smooth,
+                                                keys=keys)[0]
+        assert got == first == want, (preset, dim, keys)
 
 
 def test_tile_overrides_that_break_a_launch_contract_are_refused():

@@ -1,7 +1,7 @@
 """The one table of launch parameters (tile sizes, warps, pipeline stages) for every kernel.
 
-Attention kernels are looked up by ``(preset, padded head dim, arch)``; quantizer kernels by
-``(padded head dim, arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
+Attention kernels are looked up by ``(preset, padded head dim, arch)``, with a few entries
+for short key lengths (:data:`_SHORT_KEYS`); quantizer kernels by ``(padded head dim, arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
 anything else with CUDA) or ``"interp"`` (the Triton interpreter on CPU tensors, where small
 tiles keep tests fast and still cover several tiles per row). The candidates the autotuner
 times (:func:`attention_candidates`, :mod:`.autotune`) live here too, under the same
@@ -123,6 +123,20 @@ _NATIVE_PV: dict[tuple[str, int, str], AttentionConfig] = {
 }
 
 
+# Short sequences, where the table's long-sequence tile loses (keys at most the first value:
+# the second config). From benchmarks/sweep.py --graph (CUDA-graph replays, cold L2, kernel
+# alone, causal, B=4, H=32; RESULTS.md, session 11), TOPS with this tile against the table's
+# 64×128: sage2_8b D=128 348 / 315 at 1K, 483 / 465 at 2K, 591 / 580 at 4K (8K: 636 / 651);
+# fp8 D=128 387 / 340, 551 / 513, 674 / 674 at 4K; sage2_8b D=64 with 64×64 pointer loads
+# 241 / 225 at 1K (non-causal 359 / 341), 325 / 333 at 2K. int_flash keeps its tile
+# (64×64: 269 / 299 at 1K, D=128). Not applied to a native P·V (no measurement).
+_SHORT_KEYS: dict[tuple[str, int, str], tuple[int, AttentionConfig]] = {
+    ("sage2_8b", 128, "sm90"): (4096, _SM90_ONE_WARPGROUP_SQUARE),
+    ("fp8", 128, "sm90"): (2048, _SM90_ONE_WARPGROUP_SQUARE),
+    ("sage2_8b", 64, "sm90"): (1024, AttentionConfig(64, 64, 4, 3)),
+}
+
+
 def _family(preset: str, dtype: torch.dtype) -> str:
     """Operand width family: quantized presets use 8-bit dots, ``flash`` the input dtype."""
     if preset != "flash":
@@ -188,14 +202,18 @@ def _constrained(cfg: AttentionConfig, per_block_v: bool, smooth_q: bool) -> Att
 
 
 def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype,
-                  native_pv: bool = False) -> AttentionConfig:
+                  native_pv: bool = False, keys: int | None = None) -> AttentionConfig:
     """The table entry (or the interpreter's tile) before the constraints; ``native_pv``: the
-    preset's P·V runs on native (16-bit) P and V (:data:`_NATIVE_PV`)."""
+    preset's P·V runs on native (16-bit) P and V (:data:`_NATIVE_PV`); ``keys``: the call's
+    key length, when known (:data:`_SHORT_KEYS`)."""
     if arch == "interp":
         return _INTERP_ATTENTION
     dim = padded_dim(head_dim)
     if native_pv and (preset, dim, arch) in _NATIVE_PV:
         return _NATIVE_PV[(preset, dim, arch)]
+    short = _SHORT_KEYS.get((preset, dim, arch))
+    if short is not None and not native_pv and keys is not None and keys <= short[0]:
+        return short[1]
     return _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), dim, arch)]
 
 
@@ -208,11 +226,12 @@ def attention_config(
     per_block_v: bool = False,
     smooth_q: bool = False,
     native_pv: bool = False,
+    keys: int | None = None,
     override: AttentionConfig | None = None,
 ) -> AttentionConfig:
     """Tile sizes for the attention kernel of ``preset`` at ``head_dim`` on ``device`` for
-    inputs of ``dtype`` (``override``: a caller's choice, e.g. a benchmark sweep or the
-    autotuner's pick).
+    inputs of ``dtype`` and ``keys`` keys (None: the long-sequence entry; ``override``: a
+    caller's choice, e.g. a benchmark sweep or the autotuner's pick).
 
     ``per_block_v``/``smooth_q`` state which divisibility constraints (module docstring)
     apply: a table entry is shrunk to meet them (e.g. ``int_flash`` with per-block V keeps
@@ -222,7 +241,7 @@ def attention_config(
     if override is not None:
         cfg = override
     else:
-        table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv)
+        table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv, keys)
         cfg = _constrained(table, per_block_v, smooth_q)
     if cfg.block_n % V_COLSUM_TOKENS:
         raise ValueError(f"block_n={cfg.block_n} must be a multiple of {V_COLSUM_TOKENS}")
@@ -288,13 +307,14 @@ def attention_candidates(
     per_block_v: bool = False,
     smooth_q: bool = False,
     native_pv: bool = False,
+    keys: int | None = None,
 ) -> list[AttentionConfig]:
     """The configs :mod:`.autotune` times for ``preset`` at ``head_dim`` on ``device``: the
-    table entry first, then the arch's candidates, each shrunk to the constraints that
-    apply (as :func:`attention_config`), without duplicates. A candidate may still not fit
-    the GPU's shared memory; the tuner skips those."""
+    table entry for ``keys`` keys first, then the arch's candidates, each shrunk to the
+    constraints that apply (as :func:`attention_config`), without duplicates. A candidate
+    may still not fit the GPU's shared memory; the tuner skips those."""
     arch = arch_of(device)
-    first = _table_config(preset, head_dim, arch, dtype, native_pv)
+    first = _table_config(preset, head_dim, arch, dtype, native_pv, keys)
     out: list[AttentionConfig] = []
     for cfg in (first, *_CANDIDATES[(arch, padded_dim(head_dim))]):
         cfg = _constrained(cfg, per_block_v, smooth_q)
