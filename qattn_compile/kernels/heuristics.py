@@ -1,7 +1,8 @@
 """The one table of launch parameters (tile sizes, warps, pipeline stages) for every kernel.
 
 Attention kernels are looked up by ``(preset, padded head dim, arch)``, with a few entries
-for short key lengths (:data:`_SHORT_KEYS`); quantizer kernels by ``(padded head dim, arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
+for short key lengths (:data:`_SHORT_KEYS`); quantizer kernels by ``(padded head dim,
+arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
 anything else with CUDA) or ``"interp"`` (the Triton interpreter on CPU tensors, where small
 tiles keep tests fast and still cover several tiles per row). The candidates the autotuner
 times (:func:`attention_candidates`, :mod:`.autotune`) live here too, under the same

@@ -217,7 +217,9 @@ _PREPARE = {
 # ----------------------------------------------------------------------------- launch
 
 
-def _scale_args(scale: Tensor | None, group: int, device: torch.device) -> tuple[Tensor, int, tuple]:
+def _scale_args(
+    scale: Tensor | None, group: int, device: torch.device
+) -> tuple[Tensor, int, tuple]:
     """(pointer, constexpr group, (stride_b, stride_h, stride_group)) of a ``[B, H, n]``
     scale; one group (per tensor) is :data:`~.attention.PER_TENSOR_GROUP` tokens with stride
     0, no scale a float32 1.0 at stride 0."""

@@ -362,7 +362,8 @@ def token_stats(
         BLOCK_T=min(max(_STATS_TILE_ELEMENTS // padded_dim(dim), 1), chunk),
         BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
-    sums, maxs, mins = (t.view(bsz, heads, n_groups, chunks_per_group, dim) for t in (sums, maxs, mins))
+    sums, maxs, mins = (t.view(bsz, heads, n_groups, chunks_per_group, dim)
+                        for t in (sums, maxs, mins))
     # Tokens per group (the last may be partial), built on the device: a host→device copy
     # here would synchronize with the GPU on every call.
     starts = torch.arange(n_groups, device=x.device, dtype=torch.float32) * group
