@@ -134,7 +134,7 @@ def test_quantize_int_transposed_and_static():
     ref_q, ref_scale = rq.quantize_int(x, QUANT_BLOCK_KV, 8)
     assert got.data.shape == (2, 1, 32, 64)  # [B, H, D, L_pad]
     assert torch.equal(kq.v_in_token_order(got.data, 50), ref_q)
-    stored = lowered.v_column_of_token(torch.arange(50))
+    stored = kq.v_column_of_token_torch(torch.arange(50))
     padding = torch.ones(64, dtype=torch.bool)
     padding[stored] = False
     assert padding.sum() == 14 and not got.data[..., padding].any()  # zeros, not garbage
@@ -300,7 +300,7 @@ def test_v_token_order_kernel_and_torch_forms_agree():
     columns = torch.empty(n, dtype=torch.int32)
     _v_order_probe[(1,)](p, relabelled, columns, M=m, N=n)
     tokens = torch.arange(n)
-    assert torch.equal(columns.long(), lowered.v_column_of_token(tokens))
+    assert torch.equal(columns.long(), kq.v_column_of_token_torch(tokens))
     assert sorted(columns.tolist()) == tokens.tolist()  # a permutation within 32-token blocks
     assert torch.equal((columns // 32).long(), tokens // 32)
     token_at = torch.argsort(columns.long())  # the token stored at each column

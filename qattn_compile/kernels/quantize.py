@@ -632,10 +632,18 @@ def delta_s(q_mean: Tensor, k: Tensor, k_mean: Tensor | None, scale_mul: float, 
     return out
 
 
+def v_column_of_token_torch(token: Tensor) -> Tensor:
+    """Torch form of :func:`qattn_compile.kernels.primitives.v_column_of_token`: the column of
+    the transposed 8-bit V at which each token (int tensor) is stored."""
+    offset = token % V_KEY_BLOCK
+    return (token - offset) + (offset & 16) + (((offset >> 1) & 3) << 2) \
+        + (((offset >> 3) & 1) << 1) + (offset & 1)
+
+
 def v_in_token_order(data: Tensor, length: int) -> Tensor:
     """The values ``[B, H, length, D]`` of a transposed 8-bit V ``[B, H, D, L_pad]`` in token
     order (undoes the storage order of the module docstring; for tests and inspection)."""
-    columns = lowered.v_column_of_token(torch.arange(length, device=data.device))
+    columns = v_column_of_token_torch(torch.arange(length, device=data.device))
     as_bytes = data.view(torch.uint8)  # gathers are not implemented for every 8-bit dtype
     return as_bytes.index_select(-1, columns).transpose(-1, -2).view(data.dtype)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..blocks import V_KEY_BLOCK
 from ..reference import quant, smooth
 
 
@@ -58,14 +57,6 @@ def quantize_int8(
         values = values - smooth.expand_blocks(mean, mean_group or length, length)
     data, scale = quant.quantize_int(values, group, 8, amax=amax)
     return data, scale * scale_mul
-
-
-def v_column_of_token(token: Tensor) -> Tensor:
-    """Torch form of :func:`qattn_compile.kernels.primitives.v_column_of_token`: the column of
-    the transposed 8-bit V at which each token (int tensor) is stored."""
-    offset = token % V_KEY_BLOCK
-    return (token - offset) + (offset & 16) + (((offset >> 1) & 3) << 2) \
-        + (((offset >> 3) & 1) << 1) + (offset & 1)
 
 
 def smooth_mean(x: Tensor, group: int | None = None) -> Tensor:
