@@ -42,7 +42,12 @@ def _sdpa(backend):
 def _flex():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    compiled = torch.compile(flex_attention)
+    # One compiled graph per shape: the run visits ~24 shapes (accuracy slices and full
+    # batches), past dynamo's default recompile limit of 8, after which it would run the
+    # unfused flex_attention (slow; its [B, H, N, N] scores do not fit at 16K). Static shapes,
+    # as a model compiled for one length would have.
+    torch._dynamo.config.recompile_limit = 64
+    compiled = torch.compile(flex_attention, dynamic=False)
     masks = {}
 
     def run(q, k, v, causal):

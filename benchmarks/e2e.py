@@ -9,8 +9,10 @@ decoder layers (8 by default, as in DESIGN.md §6), random bf16 weights, batch 1
 ``model.model(input_ids)`` (no LM head). Reported per sequence length: median latency
 (``triton.testing.do_bench``), peak memory, and the cosine of the last hidden state against
 eager. ``--options '{"pv": "fp16"}'`` passes preset options; mode ``qattn-autotune`` is qattn
-with the backend option ``autotune`` (tiles timed at compile time); ``--profile`` adds, per mode at
-the longest length, the torch.profiler table of one call (GPU time per kernel).
+with the backend option ``autotune`` (tiles timed at compile time), ``qattn-graphs`` qattn with
+``mode="reduce-overhead"`` (CUDA graphs: no gaps between kernels for host launch work);
+``--profile`` adds, per mode at the longest length, the torch.profiler table of one call (GPU
+time per kernel).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def build_model(layers: int) -> torch.nn.Module:
 def measure(fn, ids) -> dict:
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        out = fn(input_ids=ids, use_cache=False).last_hidden_state
+        # a copy: under CUDA graphs the next replay overwrites the graph's output buffer
+        out = fn(input_ids=ids, use_cache=False).last_hidden_state.clone()
         ms = triton.testing.do_bench(
             lambda: fn(input_ids=ids, use_cache=False), warmup=1, rep=5, return_mode="median"
         )
@@ -69,7 +72,7 @@ def main() -> None:
     parser.add_argument("--preset", default="sage2_8b")
     parser.add_argument("--options", default="{}", help="preset options as JSON")
     parser.add_argument("--modes", nargs="+", default=["eager", "inductor", "qattn"],
-                        choices=["eager", "inductor", "qattn", "qattn-autotune"])
+                        choices=["eager", "inductor", "qattn", "qattn-autotune", "qattn-graphs"])
     parser.add_argument("--profile", action="store_true", help="profile each mode at max --seq")
     args = parser.parse_args()
     options = json.loads(args.options)
@@ -90,7 +93,8 @@ def main() -> None:
             else:
                 be = qattn_compile.backend({"qattn": 1, "default": args.preset,
                                             "default_options": options},
-                                           autotune=mode == "qattn-autotune")
+                                           autotune=mode == "qattn-autotune",
+                                           mode="reduce-overhead" if mode == "qattn-graphs" else None)
                 fn = torch.compile(model, backend=be)
             row = {"mode": mode, "n": n}
             try:
