@@ -91,10 +91,11 @@ def main() -> None:
             elif mode == "inductor":
                 fn = torch.compile(model)
             else:
+                graphs = mode == "qattn-graphs"
                 be = qattn_compile.backend({"qattn": 1, "default": args.preset,
                                             "default_options": options},
                                            autotune=mode == "qattn-autotune",
-                                           mode="reduce-overhead" if mode == "qattn-graphs" else None)
+                                           mode="reduce-overhead" if graphs else None)
                 fn = torch.compile(model, backend=be)
             row = {"mode": mode, "n": n}
             try:
