@@ -70,18 +70,24 @@ def attention(
 ) -> Tensor:
     """Quantized flash attention of ``preset`` (see the module docstring for shapes); a
     contiguous output: Inductor may hand this op a q stored otherwise than the q its fake
-    saw, so the layout cannot follow q's."""
-    return _run(q, k, v, attn_mask, is_causal, scale, preset, options).contiguous()
+    saw, so the layout cannot follow q's (the kernels write it contiguous, no copy)."""
+    return _run(q, k, v, attn_mask, is_causal, scale, preset, options,
+                output_like_q=False).contiguous()
 
 
-def _run(q, k, v, attn_mask, is_causal, scale, preset, options) -> Tensor:
-    """The body of both ops: the Triton kernels on CUDA, the reference elsewhere."""
+def _run(q, k, v, attn_mask, is_causal, scale, preset, options, *, output_like_q: bool) -> Tensor:
+    """The body of both ops: the Triton kernels on CUDA (output stored as
+    :func:`output_buffer` says for q when ``output_like_q``, else contiguous), the reference
+    elsewhere."""
     resolved = options_from_json(preset, options)
     if q.device.type == "cuda":
-        from .kernels import kernel_attention as implementation
-    else:
-        from .reference import reference_attention as implementation
-    return implementation(q, k, v, attn_mask, is_causal, scale, preset, resolved)
+        from .kernels import kernel_attention
+
+        return kernel_attention(q, k, v, attn_mask, is_causal, scale, preset, resolved,
+                                output_like_q=output_like_q)
+    from .reference import reference_attention
+
+    return reference_attention(q, k, v, attn_mask, is_causal, scale, preset, resolved)
 
 
 @attention.register_fake
@@ -107,7 +113,8 @@ def _attention_triton(
     The output is stored as :func:`output_buffer` says for q (traced with the body, so the
     layout Inductor plans is the one the kernels write).
     """
-    return in_output_layout(_run(q, k, v, attn_mask, is_causal, scale, preset, options), q)
+    out = _run(q, k, v, attn_mask, is_causal, scale, preset, options, output_like_q=True)
+    return in_output_layout(out, q)
 
 
 # Registered only where CUDA exists: registering a triton_op pulls in torch's Triton-kernel

@@ -562,6 +562,9 @@ def test_output_stored_like_a_projection_output(preset):
     out = kernel_attention(q_bl, k, v, is_causal=True, preset=preset)
     assert out.transpose(1, 2).is_contiguous() and not out.is_contiguous()
     assert torch.equal(out, kernel_attention(q.contiguous(), k, v, is_causal=True, preset=preset))
+    # what the opaque custom op asks for (its output must be contiguous): written so, no copy
+    flat = kernel_attention(q_bl, k, v, is_causal=True, preset=preset, output_like_q=False)
+    assert flat.is_contiguous() and torch.equal(flat, out)
 
 
 @pytest.mark.parametrize("preset", ["flash", "fp8", "int_flash"])

@@ -447,6 +447,7 @@ def prepare_attention(
     *,
     static_scales: Mapping[str, float | Tensor] | None = None,
     config: AttentionConfig | None = None,
+    output_like_q: bool = True,
 ) -> PreparedAttention:
     """Validate, smooth/quantize the operands of ``preset`` and plan the launch (tiles from
     ``config`` if given, else from :mod:`.autotune` when the options say ``autotune``, else
@@ -481,7 +482,7 @@ def prepare_attention(
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         shape=(bsz, hq, hkv, lq, lkv, dim), out_shape=(bsz, hq, lq, dv),
         out_dtype=torch.float32 if quantize_out else q.dtype,
-        out_heads_inside_tokens=heads_inside_tokens(q),
+        out_heads_inside_tokens=output_like_q and heads_inside_tokens(q),
     )
 
 
@@ -527,6 +528,7 @@ def kernel_attention(
     options: dict | PresetOptions | None = None,
     *,
     static_scales: Mapping[str, float | Tensor] | None = None,
+    output_like_q: bool = True,
 ) -> Tensor:
     """Quantized flash attention of ``preset`` with the Triton kernels.
 
@@ -536,12 +538,14 @@ def kernel_attention(
     ``1/sqrt(D)``. Returns ``[B, Hq, Lq, Dv]`` in q's dtype; fully masked rows are 0.
     ``static_scales``: fmha_int8's calibrated α ``{"q", "k", "v"[, "o"]}`` for
     ``scales: static`` (as :func:`qattn_compile.reference.reference_attention`).
+    ``output_like_q``: store the output ``[B, Lq, Hq, Dv]`` when q stores its heads inside
+    each token (:func:`qattn_compile.ops.output_buffer`); False: always contiguous.
     """
     opts, static = _resolve(preset, options, static_scales, q.device)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros((*q.shape[:3], v.shape[-1]))
     call = prepare_attention(q, k, v, attn_mask, is_causal, scale, preset, opts,
-                             static_scales=static)
+                             static_scales=static, output_like_q=output_like_q)
     out = call.run()
     if preset == "fmha_int8" and opts.quantize_output:
         out = _quantize_output(out, static)
