@@ -171,6 +171,29 @@ def test_quantize_fp8_per_channel(smooth):
     assert torch.equal(got.scale, ref_scale)
 
 
+@pytest.mark.parametrize("stats_chunk", [256, 16])
+def test_statistics_combine_many_chunks(stats_chunk, monkeypatch):
+    """Scales of groups longer than one statistics chunk: partial sums/extrema per chunk (the
+    last one partial), combined by the finishing kernel (with 16-token chunks, 38 per group:
+    more than one block of chunks). Per-tensor INT8 and FP8 scales and the per-channel FP8 V
+    (smoothed) match the reference bit for bit; the means match up to the order of sums."""
+    monkeypatch.setattr(kq, "_STATS_CHUNK", stats_chunk)
+    x = make_qkv(hq=2, lq=600, d=40, dtype=torch.float32, k_outliers=True)[1]
+    got = kq.quantize_int(x, 600, 8, scale_mul=0.5)
+    ref_q, ref_scale = rq.quantize_int(x, 600, 8)
+    assert torch.equal(got.data, ref_q) and torch.equal(got.scale, ref_scale * 0.5)
+    got = kq.quantize_fp8(x, 600)
+    ref_q, ref_scale = rq.quantize_fp8(x, 600)
+    assert torch.equal(got.data.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(got.scale, ref_scale)
+    got = kq.quantize_fp8_per_channel(x, smooth=True)
+    torch.testing.assert_close(got.mean, x.mean(dim=-2, keepdim=True), rtol=1e-6, atol=1e-5)
+    ref_q, ref_scale = rq.quantize_fp8_per_channel(x - got.mean)
+    assert torch.equal(kq.v_in_token_order(got.data, 600).view(torch.uint8),
+                       ref_q.view(torch.uint8))
+    assert torch.equal(got.scale, ref_scale)
+
+
 def test_smoothing_means_and_delta_s():
     q, k, _ = make_qkv(hq=4, hkv=2, lq=150, lkv=70, d=80, dtype=torch.float32, k_outliers=True)
     k_mean = kq.smooth_mean(k)

@@ -104,6 +104,7 @@ def test_quantizers_fuse_with_rope(preset):
     # its smoothed Q (one pass) and ΔS.
     assert user.count("_quantize_kernel") == (2 if sage else 1), user
     assert ("_token_stats_kernel" in user) == (preset != "turbo"), user
+    assert user.count("_stats_finish_kernel") == user.count("_token_stats_kernel"), user
     assert ("_delta_s_kernel" in user) == sage, user
     rotated = [t.float() * cos + torch.cat((-t.float()[..., 64:], t.float()[..., :64]), -1) * sin
                for t in (q, k)]

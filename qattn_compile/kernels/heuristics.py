@@ -22,6 +22,7 @@ Constraints the launchers rely on (checked by :func:`attention_config`):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -173,11 +174,23 @@ _QUANT_TABLE: dict[str, QuantConfig] = {
 }
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability ``(major, minor)`` of a CUDA ``device`` (cached per GPU: launchers
+    ask on every call, and the driver query costs microseconds of host time)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def arch_of(device: torch.device) -> str:
     """``"interp"`` for CPU tensors (Triton interpreter), else ``"sm90"`` / ``"sm80"``."""
     if device.type != "cuda":
         return "interp"
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = capability(device)
     return "sm90" if major == 9 else "sm80"
 
 

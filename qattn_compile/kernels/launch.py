@@ -30,6 +30,7 @@ from .heuristics import (
     arch_of,
     attention_candidates,
     attention_config,
+    capability,
     padded_dim,
     qk_block_dim,
 )
@@ -375,7 +376,7 @@ def _unsupported(q_shape, k_shape, v_shape, dtype, device: torch.device, preset:
     if dtype not in _DTYPES:
         return f"dtype {dtype} (kernels take float16, bfloat16, float32)"
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
+        major, minor = capability(device)
         if (major, minor) < (8, 0):
             return f"compute capability {major}.{minor} < 8.0"
         if preset in _FP8_PRESETS and (major, minor) < (8, 9):

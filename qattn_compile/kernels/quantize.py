@@ -18,8 +18,8 @@ Layouts (every tensor is ``[B, H, L, D]`` on input, any strides):
 Kernels:
 
 - :func:`_token_stats_kernel`: partial channel sums / maxima / minima per chunk of a token
-  group, combined by :func:`token_stats` into means and absmax — K/V smoothing means, Q
-  block means, large-group and per-channel amax.
+  group; :func:`_stats_finish_kernel` combines them into means and scales (amax / qmax).
+  Both run in :func:`token_stats`: K/V smoothing means, large-group and per-channel scales.
 - :func:`_quantize_kernel`: quantize a ``BLOCK_T``-token tile; scales either computed in the
   tile (groups that fit in it) or read (large groups, per channel, static amax); optional
   mean subtraction (smoothing; block means read or computed in the tile), INT4 packing,
@@ -121,7 +121,7 @@ def _token_stats_kernel(
     ``g = c // cpg`` (``cpg`` = chunks per group), never crossing a group boundary.
 
     x: ``[B, H, L, D]``. Writes float32 ``[B*H, n_chunks, D]`` column sums, maxima and
-    minima; :func:`token_stats` combines the chunks of each group (a deterministic
+    minima; :func:`_stats_finish_kernel` combines the chunks of each group (a deterministic
     two-level reduction that keeps every SM busy even for one group per head).
     """
     c = tl.program_id(0)
@@ -156,6 +156,57 @@ def _token_stats_kernel(
 
 
 @triton.jit
+def _stats_finish_kernel(
+    sum_ptr, max_ptr, min_ptr, mean_ptr, scale_ptr,
+    L, D, group, chunks_per_group, n_groups,
+    CENTER: tl.constexpr, PER_CHANNEL: tl.constexpr, WRITE_SCALE: tl.constexpr,
+    QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Combine the chunk statistics of one token group (grid ``(n_groups, B*H)``).
+
+    sum/max/min: float32 ``[B*H, n_groups, chunks_per_group, D]`` from
+    :func:`_token_stats_kernel`. Writes the channel means ``mean`` float32 ``[B*H, n_groups,
+    D]`` (sum over the group's tokens, the last group partial, divided correctly rounded)
+    and, with ``WRITE_SCALE``, ``amax / QMAX`` (IEEE division) to ``scale``: ``[B*H,
+    n_groups, D]`` per channel, else ``[B*H, n_groups]``; ``amax`` is ``max|x|`` (of ``x −
+    mean`` with ``CENTER``) clamped below to ``AMAX_FLOOR``. ``max|x − c| = max(colmax − c,
+    c − colmin)`` is exact in float32 (rounding is monotonic), so no second pass over x.
+    """
+    g = tl.program_id(0)
+    bh = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    base = (bh * n_groups + g) * chunks_per_group * D
+    acc_sum = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    acc_max = tl.full((BLOCK_C, BLOCK_D), float("-inf"), tl.float32)
+    acc_min = tl.full((BLOCK_C, BLOCK_D), float("inf"), tl.float32)
+    for c0 in range(0, chunks_per_group, BLOCK_C):
+        rows = c0 + tl.arange(0, BLOCK_C)
+        valid = (rows[:, None] < chunks_per_group) & (cols[None, :] < D)
+        offs = base + rows[:, None] * D + cols[None, :]
+        acc_sum += tl.load(sum_ptr + offs, mask=valid, other=0.0)
+        acc_max = tl.maximum(acc_max, tl.load(max_ptr + offs, mask=valid, other=float("-inf")))
+        acc_min = tl.minimum(acc_min, tl.load(min_ptr + offs, mask=valid, other=float("inf")))
+    count = tl.minimum(L - g * group, group).to(tl.float32)
+    mean = tl.div_rn(tl.sum(acc_sum, axis=0), tl.full((BLOCK_D,), 1.0, tl.float32) * count)
+    out = (bh * n_groups + g) * D + cols
+    tl.store(mean_ptr + out, mean, mask=cols < D)
+    if WRITE_SCALE:
+        col_max = tl.max(acc_max, axis=0)
+        col_min = tl.min(acc_min, axis=0)
+        if CENTER:
+            amax = tl.maximum(col_max - mean, mean - col_min)
+        else:
+            amax = tl.maximum(col_max, -col_min)
+        amax = tl.maximum(amax, AMAX_FLOOR)  # padding channels: -inf, raised to the floor
+        scale = tl.div_rn(amax, tl.full((BLOCK_D,), QMAX, tl.float32))
+        if PER_CHANNEL:
+            tl.store(scale_ptr + out, scale, mask=cols < D)
+        else:  # rounding is monotonic: the largest quotient is the largest amax's quotient
+            tl.store(scale_ptr + bh * n_groups + g, tl.max(scale, axis=0))
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, mean_ptr, scale_in_ptr, q_ptr, scale_out_ptr, colsum_ptr,
     L, L_out, D, n_heads, mean_group, scale_group, scale_mul,
@@ -181,7 +232,8 @@ def _quantize_kernel(
     Scales (``SCALE_MODE``): in-tile groups of ``GROUP`` tokens (power of two dividing
     ``BLOCK_T``), written ``* scale_mul`` to ``scale_out`` ``[B*H, n_groups_out]``; or read
     from ``scale_in`` per group (token ``t`` → ``t // scale_group``, strides ``ssb, ssh,
-    ssg``) or per channel (channel ``d`` at ``ssg * d``).
+    ssg``; also written ``* scale_mul`` to ``scale_out``) or per channel (channel ``d`` at
+    ``ssg * d``).
     Output (``OUT_FMT``): INT (int8), INT4 packed (int8 bytes, ``sqd`` = 1 byte per pair of
     channels) or FP8 e4m3, at strides ``sqb, sqh, sql, sqd`` (transposed layouts are strides),
     tokens ``< L_out`` (``L_out`` > ``L``: padding tokens written as 0). ``V_ORDER``: token
@@ -225,8 +277,11 @@ def _quantize_kernel(
         scale = scale[:, None]
     elif SCALE_MODE == _SCALE_PER_GROUP:
         s_base = scale_in_ptr + b * ssb + h * ssh
-        scale = tl.load(s_base + (rows // scale_group) * ssg, mask=rows < L, other=1.0)
-        scale = scale[:, None]
+        row_scale = tl.load(s_base + (rows // scale_group) * ssg, mask=rows < L, other=1.0)
+        # Each group's first token writes the group's scale times scale_mul to scale_out.
+        tl.store(scale_out_ptr + bh * n_groups_out + rows // scale_group, row_scale * scale_mul,
+                 mask=(rows < L) & (rows % scale_group == 0))
+        scale = row_scale[:, None]
     else:
         s_base = scale_in_ptr + b * ssb + h * ssh
         scale = tl.load(s_base + cols * ssg, mask=cols < D, other=1.0)
@@ -335,15 +390,16 @@ def true_div(x: Tensor, divisor: float) -> Tensor:
 
 
 def token_stats(
-    x: Tensor, group: int, *, center: bool, per_channel: bool
-) -> tuple[Tensor, Tensor]:
-    """Channel means and absmax per token group.
+    x: Tensor, group: int, *, center: bool, per_channel: bool, qmax: float | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Channel means per token group and, given ``qmax``, the quantization scale ``amax /
+    qmax`` (IEEE float32 division) of each group or channel. Two launches: the partial
+    statistics per chunk of tokens, then their combination per group.
 
     x: ``[B, H, L, D]``; ``group``: tokens per group (``L`` = whole tensor). Returns
-    ``(mean, amax)``: mean float32 ``[B, H, n_groups, D]``; amax float32 ``[B, H, n_groups,
-    D]`` (``per_channel``) or ``[B, H, n_groups]``, of ``x - mean`` when ``center``, clamped
-    below to ``AMAX_MIN``. ``max|x − c| = max(colmax − c, c − colmin)`` is exact in float32
-    (rounding is monotonic), so the absmax needs no second pass.
+    ``(mean, scale)``: mean float32 ``[B, H, n_groups, D]``; scale float32 ``[B, H,
+    n_groups, D]`` (``per_channel``) or ``[B, H, n_groups]`` from the absmax of ``x`` (of
+    ``x - mean`` when ``center``) clamped below to ``AMAX_MIN``, or None without ``qmax``.
     """
     bsz, heads, length, dim = x.shape
     n_groups = _num_groups(length, group)
@@ -351,8 +407,8 @@ def token_stats(
     chunk = min(_STATS_CHUNK, triton.next_power_of_2(max(group, 1)))
     chunks_per_group = triton.cdiv(max(group, 1), chunk)
     n_chunks = n_groups * chunks_per_group
-    # Three buffers, not views of one: under torch.compile a kernel writing into views makes
-    # functionalization copy each view out of the base.
+    # Separate buffers, not views of one: under torch.compile a kernel writing into views
+    # makes functionalization copy each view out of the base.
     sums, maxs, mins = (torch.empty((bsz, heads, n_chunks, dim), device=x.device,
                                     dtype=torch.float32) for _ in range(3))
     interpreted(x.device)
@@ -362,20 +418,22 @@ def token_stats(
         BLOCK_T=min(max(_STATS_TILE_ELEMENTS // padded_dim(dim), 1), chunk),
         BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
-    sums, maxs, mins = (t.view(bsz, heads, n_groups, chunks_per_group, dim)
-                        for t in (sums, maxs, mins))
-    # Tokens per group (the last may be partial), built on the device: a host→device copy
-    # here would synchronize with the GPU on every call.
-    starts = torch.arange(n_groups, device=x.device, dtype=torch.float32) * group
-    counts = (float(length) - starts).clamp(max=float(group))
-    mean = sums.sum(dim=3) / counts[:, None]
-    col_max, col_min = maxs.amax(dim=3), mins.amin(dim=3)
-    if center:
-        col_amax = torch.maximum(col_max - mean, mean - col_min)
-    else:
-        col_amax = torch.maximum(col_max, -col_min)
-    amax = col_amax if per_channel else col_amax.amax(dim=-1)
-    return mean, amax.clamp_min(AMAX_MIN)
+    mean = torch.empty((bsz, heads, n_groups, dim), device=x.device, dtype=torch.float32)
+    # Without qmax the kernel writes no scale; a one-element stand-in of its own (one tensor
+    # passed as two arguments is copied apart under torch.compile).
+    scale_shape = (bsz, heads, n_groups, dim) if per_channel else (bsz, heads, n_groups)
+    scale = torch.empty(scale_shape if qmax is not None else (1,), device=x.device,
+                        dtype=torch.float32)
+    block_c = min(triton.next_power_of_2(chunks_per_group),
+                  max(_STATS_TILE_ELEMENTS // padded_dim(dim), 1))
+    launcher(_stats_finish_kernel, x)[(n_groups, bsz * heads)](
+        sums, maxs, mins, mean, scale,
+        length, dim, group, chunks_per_group, n_groups,
+        CENTER=center, PER_CHANNEL=per_channel, WRITE_SCALE=qmax is not None,
+        QMAX=float(qmax or 1.0), AMAX_FLOOR=AMAX_MIN, BLOCK_C=block_c,
+        BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
+    )
+    return mean, None if qmax is None else scale
 
 
 def _launch_quantize(
@@ -400,9 +458,10 @@ def _launch_quantize(
     ``transposed``: ``out`` is the 8-bit V ``[B, H, D, L_pad]``, tokens in its order and the
     padding written as zeros).
 
-    ``scale_in`` ``None``: scales computed per in-tile group of ``group`` tokens and returned
-    (float32 ``[B, H, n_groups]``, times ``scale_mul``); otherwise ``scale_in`` (float32
-    ``[B, H, n_groups]`` or ``[B, H, D]`` with ``per_channel``) is used and ``None`` returned.
+    ``scale_in`` ``None``: scales computed per in-tile group of ``group`` tokens; otherwise
+    ``scale_in`` (float32 ``[B, H, n_groups]``, or ``[B, H, D]`` with ``per_channel``) is
+    used. Returns the group scales times ``scale_mul`` (float32 ``[B, H, n_groups]``), or
+    ``None`` with ``per_channel``.
     ``mean``: float32 ``[B, H, n, D]`` subtracted per ``mean_group`` tokens; with
     ``mean_in_tile`` the kernel computes it (``mean_group`` a power of two) and writes it there.
     ``colsum``: int32 ``[B, H, n_chunks, D]`` filled with per-``colsum_chunk`` channel sums.
@@ -435,7 +494,7 @@ def _launch_quantize(
         COLSUM=colsum_chunk if colsum is not None else 0, V_ORDER=transposed,
         BLOCK_T=block_t, BLOCK_D=padded_dim(dim), num_warps=cfg.num_warps,
     )
-    return scale_out if in_tile else None
+    return None if per_channel else scale_out
 
 
 def _fits_in_tile(group: int) -> bool:
@@ -454,10 +513,9 @@ def _group_scale(
     if amax is None:
         if mean is not None:
             raise NotImplementedError("large-group quantization of a smoothed tensor")
-        _, amax_t = token_stats(x, group, center=False, per_channel=False)
-    else:
-        amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
-        amax_t = amax_t.clamp_min(AMAX_MIN).broadcast_to((bsz, heads, n_groups)).contiguous()
+        return token_stats(x, group, center=False, per_channel=False, qmax=qmax)[1]
+    amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+    amax_t = amax_t.clamp_min(AMAX_MIN).broadcast_to((bsz, heads, n_groups)).contiguous()
     return true_div(amax_t, qmax)
 
 
@@ -505,8 +563,6 @@ def quantize_int(
         per_channel=False, mean=mean, mean_group=mean_group, scale_mul=scale_mul,
         colsum=colsum, colsum_chunk=colsum_chunk, transposed=transpose,
     )
-    if scale is None:
-        scale = scale_in * scale_mul
     return Quantized(data, scale, group, transposed=transpose, packed=num_bits == 4, mean=mean,
                      colsum=colsum)
 
@@ -562,8 +618,6 @@ def quantize_fp8(
         group=group, scale_in=scale_in, per_channel=False, mean=None, mean_group=1,
         scale_mul=scale_mul, transposed=transpose,
     )
-    if scale is None:
-        scale = scale_in * scale_mul
     return Quantized(data, scale, group, transposed=transpose)
 
 
@@ -578,8 +632,8 @@ def quantize_fp8_per_channel(
     ``[B, H, 1, D]`` when ``smooth``.
     """
     length = x.shape[-2]
-    mean, amax = token_stats(x, max(length, 1), center=smooth, per_channel=True)
-    scale = true_div(amax[:, :, 0, :], FP8_MAX)
+    mean, scale = token_stats(x, max(length, 1), center=smooth, per_channel=True, qmax=FP8_MAX)
+    scale = scale[:, :, 0, :]
     data = _alloc_8bit(x, torch.float8_e4m3fn, transpose)
     _launch_quantize(
         x, data, _value_strides(data, transpose), qmax=FP8_MAX, out_fmt=int(_OUT_FP8),
