@@ -5,7 +5,11 @@ Run on the GPU machine from the repository root::
     PYTHONPATH=. python3 benchmarks/attention.py --out $OUT/attention.json
 
 TOPS = 4·B·H·N²·D / t (halved for causal), t = median of ``triton.testing.do_bench``;
-qattn's time includes quantization (the eager functional API end to end). Accuracy is
+qattn's time includes quantization (the eager functional API end to end). By default each
+call is launched from Python, so short sequences time the host's launch work too (qattn's
+eager call launches 8–10 Triton kernels); ``--cuda-graph`` times replays of one call captured
+in a CUDA graph instead (as the autotuner and ``benchmarks/block.py`` do): the GPU's time
+alone, what a compiled model under ``mode="reduce-overhead"`` pays. Accuracy is
 measured on the first batch element and 4 heads against fp32 SDPA (math backend) on the
 same inputs: cosine, relative L1, RMSE. Peers: SDPA flash, SDPA cuDNN, FlexAttention and
 SageAttention 1.0.6 when importable. A failing entry is recorded with its error and the
@@ -25,6 +29,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qattn_compile
+from qattn_compile.kernels.autotune import time_call
 from qattn_compile.metrics import compare
 from qattn_compile.presets import QUANTIZED_PRESETS
 
@@ -92,9 +97,13 @@ def accuracy(fn, q, k, v, causal) -> dict:
     return compare(fn(qs, ks, vs, causal), ref)
 
 
-def bench_one(fn, q, k, v, causal) -> dict:
+def bench_one(fn, q, k, v, causal, cuda_graph: bool) -> dict:
     b, h, n, d = q.shape
-    ms = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=100, return_mode="median")
+    call = lambda: fn(q, k, v, causal)  # noqa: E731
+    if cuda_graph:
+        ms = time_call(call, q.device)
+    else:
+        ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
     return {"ms": ms, "tops": flops / ms / 1e9}
 
@@ -108,6 +117,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--only", nargs="*", help="contender names to run")
     parser.add_argument("--k-outliers", action="store_true", help="add channel outliers to K")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time CUDA-graph replays of one call (GPU time, no host launch work)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -116,6 +127,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        "timing": "cuda-graph replays" if args.cuda_graph else "eager calls",
         "rows": [],
     }
     runners = {}
@@ -136,7 +148,7 @@ def main() -> None:
                     row = {"name": name, "d": d, "causal": causal, "n": n}
                     try:
                         row.update(accuracy(fn, q, k, v, causal))
-                        row.update(bench_one(fn, q, k, v, causal))
+                        row.update(bench_one(fn, q, k, v, causal, args.cuda_graph))
                     except Exception as exc:
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     results["rows"].append(row)
@@ -169,7 +181,7 @@ def _plot(results: dict, path: str) -> None:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"D={d} causal={causal}")
+        ax.set_title(f"D={d} causal={causal} ({results['timing']})")
         ax.set_xlabel("N")
         ax.set_ylabel("TOPS")
     axes[0][0].legend(fontsize=7)
