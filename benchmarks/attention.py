@@ -8,8 +8,9 @@ TOPS = 4·B·H·N²·D / t (halved for causal), t = median of ``triton.testing.d
 qattn's time includes quantization (the eager functional API end to end). By default each
 call is launched from Python, so short sequences time the host's launch work too (qattn's
 eager call launches 8–10 Triton kernels); ``--cuda-graph`` times replays of one call captured
-in a CUDA graph instead (as the autotuner and ``benchmarks/block.py`` do): the GPU's time
-alone, what a compiled model under ``mode="reduce-overhead"`` pays. Accuracy is
+in a CUDA graph instead (as the autotuner and ``benchmarks/block.py`` do): the GPU time of
+the same kernels, without the host's launch work (a compiled model's numbers, with its
+quantizers fused into their producers, are ``benchmarks/block.py``'s). Accuracy is
 measured on the first batch element and 4 heads against fp32 SDPA (math backend) on the
 same inputs: cosine, relative L1, RMSE. Peers: SDPA flash, SDPA cuDNN, FlexAttention and
 SageAttention 1.0.6 when importable. A failing entry is recorded with its error and the
