@@ -472,19 +472,26 @@ def _launch_quantize(
     cfg = quant_config(dim, x.device, min_tokens)
     block_t = cfg.block_t
     n_groups = _num_groups(length, group)
-    scale_out = torch.empty((bsz, heads, n_groups), device=x.device, dtype=torch.float32)
+
+    # Operands the kernel does not touch get one-element stand-ins of their own (one tensor
+    # passed as several arguments is copied apart under torch.compile).
+    def absent() -> Tensor:
+        return torch.empty(1, device=x.device, dtype=torch.float32)
+
+    scale_out = absent() if per_channel else torch.empty((bsz, heads, n_groups),
+                                                          device=x.device, dtype=torch.float32)
     if in_tile:
-        mode, sin, sin_strides = int(_SCALE_IN_TILE), scale_out, (0, 0, 0)
+        mode, sin, sin_strides = int(_SCALE_IN_TILE), absent(), (0, 0, 0)
     elif per_channel:
         mode, sin, sin_strides = int(_SCALE_PER_CHANNEL), scale_in, scale_in.stride()
     else:
         mode, sin, sin_strides = int(_SCALE_PER_GROUP), scale_in, scale_in.stride()
-    mean_t = mean if mean is not None else scale_out
+    mean_t = mean if mean is not None else absent()
     mean_strides = mean.stride()[:3] if mean is not None else (0, 0, 0)
     mean_mode = _MEAN_NONE if mean is None else _MEAN_IN_TILE if mean_in_tile else _MEAN_READ
     exact = interpreted(x.device)
     launcher(_quantize_kernel, x)[(triton.cdiv(length, block_t), bsz * heads)](
-        x, mean_t, sin, out, scale_out, colsum if colsum is not None else scale_out,
+        x, mean_t, sin, out, scale_out, colsum if colsum is not None else absent(),
         length, out.shape[-1] if transposed else length, dim, heads, mean_group, group,
         scale_mul, *x.stride(), *mean_strides, *sin_strides, *out_strides, n_groups,
         colsum.shape[2] if colsum is not None else 0,
