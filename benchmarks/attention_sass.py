@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--dump", type=Path, help="write TTGIR/PTX/SASS of each variant here")
     args = parser.parse_args()
     for preset in args.presets:
-        table = _table_config(preset, args.dim, "sm90", torch.bfloat16)
+        table = _table_config(preset, args.dim, "sm90", torch.bfloat16, unmasked=not args.causal)
         variants = [v.partition("=") for v in args.variants] or [("table", "=", "")]
         for name, _, fields in variants:
             cfg = AttentionConfig(**json.loads(fields)) if fields else table

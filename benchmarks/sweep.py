@@ -83,7 +83,7 @@ def main() -> None:
                    for _ in range(3))
         for causal in causal_modes:
             for preset in args.presets:
-                default = attention_config(preset, d, q.device, q.dtype, keys=n)
+                default = attention_config(preset, d, q.device, q.dtype, keys=n, unmasked=not causal)
                 base_out = None
                 for name in args.configs:
                     bm, bn, warps, stages, tma = CANDIDATES[name]

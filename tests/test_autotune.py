@@ -248,6 +248,36 @@ def test_short_key_lengths_take_their_measured_h100_tiles(monkeypatch):
         assert got == first == want, (preset, dim, keys)
 
 
+def test_unmasked_calls_take_their_measured_h100_tile(monkeypatch):
+    """fp8 at D=128 without any mask takes two pipeline stages on the H100 (three programs per
+    SM), with a causal flag or a tensor mask the table's three; short key lengths keep their
+    own tile, other presets are unaffected. The launcher decides ``unmasked`` from the call,
+    and the autotuner's first candidate is the same entry."""
+    from qattn_compile.kernels import heuristics, launch
+
+    monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
+    long_tile = AttentionConfig(64, 128, 4, 3, tma=True)
+    two_stages = AttentionConfig(64, 128, 4, 2, tma=True)
+    cases = [("fp8", 16384, True, two_stages), ("fp8", 16384, False, long_tile),
+             ("fp8", 1024, True, AttentionConfig(64, 64, 4, 3, tma=True)),
+             ("int_flash", 16384, True, long_tile), ("sage2_8b", 16384, True, long_tile)]
+    for preset, keys, unmasked, want in cases:
+        smooth = preset == "sage2_8b"
+        got = heuristics.attention_config(preset, 128, CPU, torch.bfloat16, smooth_q=smooth,
+                                          keys=keys, unmasked=unmasked)
+        first = heuristics.attention_candidates(preset, 128, CPU, torch.bfloat16, smooth_q=smooth,
+                                                keys=keys, unmasked=unmasked)[0]
+        assert got == first == want, (preset, keys, unmasked)
+
+    monkeypatch.setattr(launch, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(launch, "_unsupported", lambda *args: None)
+    q, k, v = (torch.randn(1, 2, 3000, 128, dtype=torch.bfloat16) for _ in range(3))
+    visible = torch.ones(3000, 3000, dtype=torch.bool)
+    for kwargs, want in [({}, two_stages), ({"is_causal": True}, long_tile),
+                         ({"attn_mask": visible}, long_tile)]:
+        assert prepare_attention(q, k, v, preset="fp8", **kwargs).cfg == want, kwargs
+
+
 def test_tile_overrides_that_break_a_launch_contract_are_refused():
     """attention_config checks an explicit config against the launchers' contracts: ΔS
     (sage2's Q smoothing) allows key tiles of at most 2·SMOOTH_Q_BLOCK keys, per-block V

@@ -1,8 +1,8 @@
 """The one table of launch parameters (tile sizes, warps, pipeline stages) for every kernel.
 
 Attention kernels are looked up by ``(preset, padded head dim, arch)``, with a few entries
-for short key lengths (:data:`_SHORT_KEYS`); quantizer kernels by ``(padded head dim,
-arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
+for short key lengths (:data:`_SHORT_KEYS`) and for calls without any mask
+(:data:`_UNMASKED`); quantizer kernels by ``(padded head dim, arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
 anything else with CUDA) or ``"interp"`` (the Triton interpreter on CPU tensors, where small
 tiles keep tests fast and still cover several tiles per row). The candidates the autotuner
 times (:func:`attention_candidates`, :mod:`.autotune`) live here too, under the same
@@ -139,6 +139,17 @@ _SHORT_KEYS: dict[tuple[str, int, str], tuple[int, AttentionConfig]] = {
 }
 
 
+# Calls without any mask (no causal flag, no tensor mask), where another tile wins (long
+# sequences; short ones keep :data:`_SHORT_KEYS`). fp8 at D=128 with two pipeline stages: 164
+# registers and 74.8 KB of shared memory, so three programs share an SM instead of two; kernel
+# alone, TOPS with three / two stages, N=8K 795 / 824, N=16K 818 / 841 without a mask, but
+# 734 / 669 and 785 / 619 with a causal one (benchmarks/sweep.py; RESULTS.md, session 12,
+# run 4). Tensor masks were not measured, so they keep the table's tile.
+_UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
+    ("fp8", 128, "sm90"): AttentionConfig(64, 128, 4, 2, tma=True),
+}
+
+
 def _family(preset: str, dtype: torch.dtype) -> str:
     """Operand width family: quantized presets use 8-bit dots, ``flash`` the input dtype."""
     if preset != "flash":
@@ -216,10 +227,12 @@ def _constrained(cfg: AttentionConfig, per_block_v: bool, smooth_q: bool) -> Att
 
 
 def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype,
-                  native_pv: bool = False, keys: int | None = None) -> AttentionConfig:
+                  native_pv: bool = False, keys: int | None = None,
+                  unmasked: bool = False) -> AttentionConfig:
     """The table entry (or the interpreter's tile) before the constraints; ``native_pv``: the
     preset's P·V runs on native (16-bit) P and V (:data:`_NATIVE_PV`); ``keys``: the call's
-    key length, when known (:data:`_SHORT_KEYS`)."""
+    key length, when known (:data:`_SHORT_KEYS`); ``unmasked``: every key is visible to
+    every query (no causal flag, no tensor mask; :data:`_UNMASKED`)."""
     if arch == "interp":
         return _INTERP_ATTENTION
     dim = padded_dim(head_dim)
@@ -228,6 +241,8 @@ def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype,
     short = _SHORT_KEYS.get((preset, dim, arch))
     if short is not None and not native_pv and keys is not None and keys <= short[0]:
         return short[1]
+    if unmasked and not native_pv and (preset, dim, arch) in _UNMASKED:
+        return _UNMASKED[(preset, dim, arch)]
     return _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), dim, arch)]
 
 
@@ -241,11 +256,13 @@ def attention_config(
     smooth_q: bool = False,
     native_pv: bool = False,
     keys: int | None = None,
+    unmasked: bool = False,
     override: AttentionConfig | None = None,
 ) -> AttentionConfig:
     """Tile sizes for the attention kernel of ``preset`` at ``head_dim`` on ``device`` for
-    inputs of ``dtype`` and ``keys`` keys (None: the long-sequence entry; ``override``: a
-    caller's choice, e.g. a benchmark sweep or the autotuner's pick).
+    inputs of ``dtype`` and ``keys`` keys (None: the long-sequence entry), ``unmasked`` when
+    no mask of any kind applies (``override``: a caller's choice, e.g. a benchmark sweep or
+    the autotuner's pick).
 
     ``per_block_v``/``smooth_q`` state which divisibility constraints (module docstring)
     apply: a table entry is shrunk to meet them (e.g. ``int_flash`` with per-block V keeps
@@ -255,7 +272,8 @@ def attention_config(
     if override is not None:
         cfg = override
     else:
-        table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv, keys)
+        table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv, keys,
+                              unmasked)
         cfg = _constrained(table, per_block_v, smooth_q)
     if cfg.block_n % V_COLSUM_TOKENS:
         raise ValueError(f"block_n={cfg.block_n} must be a multiple of {V_COLSUM_TOKENS}")
@@ -322,13 +340,14 @@ def attention_candidates(
     smooth_q: bool = False,
     native_pv: bool = False,
     keys: int | None = None,
+    unmasked: bool = False,
 ) -> list[AttentionConfig]:
     """The configs :mod:`.autotune` times for ``preset`` at ``head_dim`` on ``device``: the
-    table entry for ``keys`` keys first, then the arch's candidates, each shrunk to the
+    table entry for ``keys`` keys (and ``unmasked``) first, then the arch's candidates, each shrunk to the
     constraints that apply (as :func:`attention_config`), without duplicates. A candidate
     may still not fit the GPU's shared memory; the tuner skips those."""
     arch = arch_of(device)
-    first = _table_config(preset, head_dim, arch, dtype, native_pv, keys)
+    first = _table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked)
     out: list[AttentionConfig] = []
     for cfg in (first, *_CANDIDATES[(arch, padded_dim(head_dim))]):
         cfg = _constrained(cfg, per_block_v, smooth_q)

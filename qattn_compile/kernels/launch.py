@@ -466,13 +466,15 @@ def prepare_attention(
     per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
     smooth_q = ops.delta_s is not None
     native_pv = preset != "flash" and int(ops.switches["P_FMT"]) == int(ak.P_NATIVE)
+    unmasked = attn_mask is None and not is_causal
     if config is None and getattr(opts, "autotune", False):
         candidates = attention_candidates(preset, max(dim, dv), q.device, q.dtype,
                                           per_block_v=per_block_v, smooth_q=smooth_q,
-                                          native_pv=native_pv, keys=lkv)
+                                          native_pv=native_pv, keys=lkv, unmasked=unmasked)
         config = _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale, candidates)
     cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, per_block_v=per_block_v,
-                           smooth_q=smooth_q, native_pv=native_pv, keys=lkv, override=config)
+                           smooth_q=smooth_q, native_pv=native_pv, keys=lkv,
+                           unmasked=unmasked, override=config)
     mask = plan_mask(attn_mask, (bsz, hq, lq, lkv), cfg.block_m, cfg.block_n, bool(is_causal))
     if ops.v_colsum is not None:  # once per call, not per run of the prepared call
         ops.v_colsum = _colsum_per_tile(ops.v_colsum, cfg.block_n)

@@ -77,9 +77,9 @@ _OUT_INT4_PACKED = tl.constexpr(1)
 _OUT_FP8 = tl.constexpr(2)
 
 _MAX_TILE_GROUP = 128  # largest token group a quantizer tile reduces by itself
-_STATS_CHUNK = 256  # tokens per program of the statistics kernel
-_MIN_PROGRAMS = 512  # the ΔS kernel splits its work finer below this many programs
-_STATS_TILE_ELEMENTS = 2048  # elements per loaded tile there (three running tiles of them)
+_STATS_CHUNKS = (1024, 512, 256)  # tokens per program of the statistics kernel, longest first
+_MIN_PROGRAMS = 512  # the statistics and ΔS kernels split their work finer below this many
+_STATS_TILE_ELEMENTS = 4096  # elements per loaded tile there (three running tiles of them)
 _DS_KEY_TILES = 8  # key tiles per ΔS program, at most (its q̄ rows are loaded and split once)
 
 
@@ -383,6 +383,21 @@ def _num_groups(length: int, group: int) -> int:
     return max(triton.cdiv(length, group), 1)
 
 
+def _stats_chunk(heads: int, length: int, group: int) -> int:
+    """Tokens per program of :func:`_token_stats_kernel` for ``heads`` (batch × heads) of
+    ``length`` tokens in groups of ``group``: the longest of :data:`_STATS_CHUNKS` that still
+    makes :data:`_MIN_PROGRAMS` programs (else the shortest), at most the group rounded up to
+    a power of two. Longer chunks spread each program's fixed work (three cross-warp
+    reductions, three stores) over more loads; too few programs leave SMs idle. On the H100
+    this took the pass from 292 to 231 µs at [4, 32, 16K, 128] and from 42 to 34 µs at
+    [1, 8, 32K, 64] (benchmarks/RESULTS.md, session 14)."""
+    n_groups = _num_groups(length, group)
+    for chunk in _STATS_CHUNKS:
+        if n_groups * triton.cdiv(max(group, 1), chunk) * heads >= _MIN_PROGRAMS:
+            break
+    return min(chunk, triton.next_power_of_2(max(group, 1)))
+
+
 def true_div(x: Tensor, divisor: float) -> Tensor:
     """``x / divisor`` with IEEE float32 division on every device (``tensor / python
     scalar`` on CUDA multiplies by the rounded reciprocal, which differs in the last bit)."""
@@ -404,7 +419,7 @@ def token_stats(
     bsz, heads, length, dim = x.shape
     n_groups = _num_groups(length, group)
     cfg = quant_config(dim, x.device)
-    chunk = min(_STATS_CHUNK, triton.next_power_of_2(max(group, 1)))
+    chunk = _stats_chunk(bsz * heads, length, group)
     chunks_per_group = triton.cdiv(max(group, 1), chunk)
     n_chunks = n_groups * chunks_per_group
     # Separate buffers, not views of one: under torch.compile a kernel writing into views
