@@ -10,7 +10,8 @@ Run on the CPU machine from the repository root (about 3 s per variant)::
 Each ``NAME=JSON`` is an :class:`~qattn_compile.kernels.heuristics.AttentionConfig` (none: the
 H100 table's entry for the preset, read from the table's internals). The operands are random tensors with the dtypes, layouts
 and scale groups of the preset's default options (:func:`operands`; int_flash, fmha_int8,
-sage2_8b and fp8, the presets whose loops this was written to study), B=1, H=2, N=1024. They go through
+sage2_8b, fp8, flash, and ``sage2_8b_pv16``: sage2_8b with ``pv: fp16``), B=1, H=2, N=1024.
+The table entry is the one for a call without a mask (with ``--causal``: a causal one). They go through
 :func:`qattn_compile.kernels.launch._launch`, whose kernel call is intercepted and compiled as
 :mod:`decode_sass` does (same caveats: Triton internals, Triton 3.9 here against the GPU's
 3.6). Counts are per loop iteration, i.e. per key tile, per warp. The backward branches of
@@ -34,8 +35,17 @@ from qattn_compile.kernels import launch
 from qattn_compile.kernels.heuristics import AttentionConfig, _table_config
 from qattn_compile.presets import resolve_options
 
-PRESETS = ("int_flash", "fmha_int8", "sage2_8b", "fp8")
+PRESETS = ("int_flash", "fmha_int8", "sage2_8b", "fp8", "sage2_8b_pv16", "flash")
 BATCH, HEADS, LENGTH = 1, 2, 1024
+
+
+_NATIVE_PV_SUFFIX = "_pv16"
+"""``sage2_8b_pv16``: sage2_8b with its ``pv: fp16`` option (16-bit P and V)."""
+
+
+def _base_preset(preset: str) -> str:
+    """The library's preset name of one of :data:`PRESETS`."""
+    return preset.removesuffix(_NATIVE_PV_SUFFIX)
 
 
 def _scale(group: int) -> torch.Tensor:
@@ -46,7 +56,7 @@ def _scale(group: int) -> torch.Tensor:
 def operands(preset: str, dim: int) -> launch.Operands:
     """Random kernel-format operands of ``preset`` with its default options at head dim ``dim``
     (what :mod:`qattn_compile.kernels.launch`'s ``_prepare_*`` would hand the kernel)."""
-    opts = resolve_options(preset, None)
+    opts = resolve_options(_base_preset(preset), None)
     shape = (BATCH, HEADS, LENGTH, dim)
     int8 = torch.randint(-127, 128, shape, dtype=torch.int8)
     v_t = torch.zeros(BATCH, HEADS, dim, LENGTH)  # K-major 8-bit V, [B, H, Dv, L_pad]
@@ -72,6 +82,15 @@ def operands(preset: str, dim: int) -> launch.Operands:
                               v_scale=torch.rand(BATCH, HEADS, dim), v_per_channel=True,
                               v_transposed=True,
                               delta_s=torch.rand(BATCH, HEADS, LENGTH // SMOOTH_Q_BLOCK, LENGTH))
+    elif preset == "sage2_8b_pv16":  # sage2_8b with `pv: fp16`: native P and V
+        gq, gk = group_sizes(opts.qk_granularity, LENGTH, LENGTH)
+        ops = launch.Operands(int8, int8.clone(), torch.randn(shape, dtype=torch.bfloat16),
+                              launch._switches(ak.QK_INT8, ak.P_NATIVE, ak.V_NATIVE),
+                              delta_s=torch.rand(BATCH, HEADS, LENGTH // SMOOTH_Q_BLOCK, LENGTH))
+    elif preset == "flash":
+        native = torch.randn(shape, dtype=torch.bfloat16)
+        return launch.Operands(native, native.clone(), native.clone(),
+                               launch._switches(ak.QK_NATIVE, ak.P_NATIVE, ak.V_NATIVE))
     elif preset == "fp8":
         gq, gk = group_sizes(opts.granularity, LENGTH, LENGTH)
         fp8 = int8.to(torch.float8_e4m3fn)
@@ -107,7 +126,8 @@ def main() -> None:
     parser.add_argument("--dump", type=Path, help="write TTGIR/PTX/SASS of each variant here")
     args = parser.parse_args()
     for preset in args.presets:
-        table = _table_config(preset, args.dim, "sm90", torch.bfloat16, unmasked=not args.causal)
+        table = _table_config(_base_preset(preset), args.dim, "sm90", torch.bfloat16,
+                              native_pv=preset.endswith(_NATIVE_PV_SUFFIX), unmasked=not args.causal)
         variants = [v.partition("=") for v in args.variants] or [("table", "=", "")]
         for name, _, fields in variants:
             cfg = AttentionConfig(**json.loads(fields)) if fields else table

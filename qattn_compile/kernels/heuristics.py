@@ -144,7 +144,8 @@ _SHORT_KEYS: dict[tuple[str, int, str], tuple[int, AttentionConfig]] = {
 # registers and 74.8 KB of shared memory, so three programs share an SM instead of two; kernel
 # alone, TOPS with three / two stages, N=8K 795 / 824, N=16K 818 / 841 without a mask, but
 # 734 / 669 and 785 / 619 with a causal one (benchmarks/sweep.py; RESULTS.md, session 12,
-# run 4). Tensor masks were not measured, so they keep the table's tile.
+# run 4); N=4K 793-799 / 860-867 (session 14, run 6). Tensor masks were not measured, so
+# they keep the table's tile.
 _UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
     ("fp8", 128, "sm90"): AttentionConfig(64, 128, 4, 2, tma=True),
 }
