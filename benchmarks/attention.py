@@ -4,7 +4,9 @@ Run on the GPU machine from the repository root::
 
     PYTHONPATH=. python3 benchmarks/attention.py --out $OUT/attention.json
 
-TOPS = 4·B·H·N²·D / t (halved for causal), t = median of ``triton.testing.do_bench``;
+TOPS = 4·B·H·N²·D / t (halved for causal), t = median of ``triton.testing.do_bench``
+(with ``--rounds R``: every contender is timed R times per shape, in turns, and t is the
+median of the R medians; the JSON keeps each round's time);
 qattn's time includes quantization (the eager functional API end to end). By default each
 call is launched from Python, so short sequences time the host's launch work too (qattn's
 eager call launches 8–10 Triton kernels); ``--cuda-graph`` times replays of one call captured
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import time
 
 import torch
@@ -98,15 +101,20 @@ def accuracy(fn, q, k, v, causal) -> dict:
     return compare(fn(qs, ks, vs, causal), ref)
 
 
-def bench_one(fn, q, k, v, causal, cuda_graph: bool) -> dict:
-    b, h, n, d = q.shape
+def time_one(fn, q, k, v, causal, cuda_graph: bool) -> float:
+    """Milliseconds per call: the median of ``do_bench`` (or of CUDA-graph replays)."""
     call = lambda: fn(q, k, v, causal)  # noqa: E731
     if cuda_graph:
-        ms = time_call(call, q.device)
-    else:
-        ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+        return time_call(call, q.device)
+    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+
+
+def timing_row(round_ms: list[float], shape: tuple[int, ...], causal: bool) -> dict:
+    """``ms`` (median over rounds), ``tops`` from it, and each round's time."""
+    b, h, n, d = shape
+    ms = statistics.median(round_ms)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
-    return {"ms": ms, "tops": flops / ms / 1e9}
+    return {"ms": ms, "tops": flops / ms / 1e9, "ms_rounds": round_ms}
 
 
 def main() -> None:
@@ -120,6 +128,9 @@ def main() -> None:
     parser.add_argument("--k-outliers", action="store_true", help="add channel outliers to K")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time CUDA-graph replays of one call (GPU time, no host launch work)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every contender this many times per shape, in turns, and "
+                             "report the median (clock drift then hits all contenders alike)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -129,6 +140,7 @@ def main() -> None:
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "timing": "cuda-graph replays" if args.cuda_graph else "eager calls",
+        "rounds": args.rounds,
         "rows": [],
     }
     runners = {}
@@ -145,13 +157,22 @@ def main() -> None:
                 q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
                 if args.k_outliers:
                     k[..., :: max(d // 8, 1)] += 8.0
-                for name, fn in runners.items():
-                    row = {"name": name, "d": d, "causal": causal, "n": n}
-                    try:
-                        row.update(accuracy(fn, q, k, v, causal))
-                        row.update(bench_one(fn, q, k, v, causal, args.cuda_graph))
-                    except Exception as exc:
-                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                rows = {name: {"name": name, "d": d, "causal": causal, "n": n} for name in runners}
+                round_ms: dict[str, list[float]] = {name: [] for name in runners}
+                for turn in range(args.rounds):
+                    for name, fn in runners.items():
+                        row = rows[name]
+                        if "error" in row:
+                            continue
+                        try:
+                            if turn == 0:
+                                row.update(accuracy(fn, q, k, v, causal))
+                            round_ms[name].append(time_one(fn, q, k, v, causal, args.cuda_graph))
+                        except Exception as exc:
+                            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                for name, row in rows.items():
+                    if "error" not in row:
+                        row.update(timing_row(round_ms[name], shape, causal))
                     results["rows"].append(row)
                     log.info(
                         "%-18s D=%-3d causal=%-5s N=%-5d %s", name, d, causal, n,
