@@ -6,7 +6,8 @@ Run on the GPU machine from the repository root::
 
 TOPS = 4·B·H·N²·D / t (halved for causal), t = median of ``triton.testing.do_bench``
 (with ``--rounds R``: every contender is timed R times per shape, in turns, and t is the
-median of the R medians; the JSON keeps each round's time);
+median of the R medians; the JSON keeps each round's time, and the SM clock, power and
+temperature ``nvidia-smi`` reads right after it);
 qattn's time includes quantization (the eager functional API end to end). By default each
 call is launched from Python, so short sequences time the host's launch work too (qattn's
 eager call launches 8–10 Triton kernels); ``--cuda-graph`` times replays of one call captured
@@ -25,6 +26,7 @@ import argparse
 import json
 import logging
 import statistics
+import subprocess
 import time
 
 import torch
@@ -101,6 +103,22 @@ def accuracy(fn, q, k, v, causal) -> dict:
     return compare(fn(qs, ks, vs, causal), ref)
 
 
+_GPU_STATE_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+
+
+def gpu_state() -> dict:
+    """SM clock (MHz), power (W) and temperature (°C) of GPU 0 from ``nvidia-smi`` right now,
+    or {} where it cannot be read."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", "0", f"--query-gpu={','.join(_GPU_STATE_FIELDS)}",
+             "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True).stdout
+        return dict(zip(("sm_mhz", "watts", "celsius"), (float(x) for x in out.split(","))))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+
+
 def time_one(fn, q, k, v, causal, cuda_graph: bool) -> float:
     """Milliseconds per call: the median of ``do_bench`` (or of CUDA-graph replays)."""
     call = lambda: fn(q, k, v, causal)  # noqa: E731
@@ -157,7 +175,8 @@ def main() -> None:
                 q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
                 if args.k_outliers:
                     k[..., :: max(d // 8, 1)] += 8.0
-                rows = {name: {"name": name, "d": d, "causal": causal, "n": n} for name in runners}
+                rows = {name: {"name": name, "d": d, "causal": causal, "n": n, "gpu_after": []}
+                        for name in runners}
                 round_ms: dict[str, list[float]] = {name: [] for name in runners}
                 for turn in range(args.rounds):
                     for name, fn in runners.items():
@@ -168,6 +187,7 @@ def main() -> None:
                             if turn == 0:
                                 row.update(accuracy(fn, q, k, v, causal))
                             round_ms[name].append(time_one(fn, q, k, v, causal, args.cuda_graph))
+                            row["gpu_after"].append(gpu_state())
                         except Exception as exc:
                             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 for name, row in rows.items():
