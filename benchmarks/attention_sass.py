@@ -8,16 +8,18 @@ Run on the CPU machine from the repository root (about 3 s per variant)::
         [NAME='{"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "tma": true}' ...]
 
 Each ``NAME=JSON`` is an :class:`~qattn_compile.kernels.heuristics.AttentionConfig` (none: the
-H100 table's entry for the preset, read from the table's internals). The operands are random tensors with the dtypes, layouts
-and scale groups of the preset's default options (:func:`operands`; int_flash, fmha_int8,
-sage2_8b, fp8, flash, and ``sage2_8b_pv16``: sage2_8b with ``pv: fp16``), B=1, H=2, N=1024.
-The table entry is the one for a call without a mask (with ``--causal``: a causal one). They go through
-:func:`qattn_compile.kernels.launch._launch`, whose kernel call is intercepted and compiled as
-:mod:`decode_sass` does (same caveats: Triton internals, Triton 3.9 here against the GPU's
-3.6). Counts are per loop iteration, i.e. per key tile, per warp. The backward branches of
-the TMA barriers' retry loops make some listed ranges span several loops: the main loop is
-a short range with one set of score MMAs and one of P·V MMAs (GMMA 8 at 64×128, D=128). What it is good for: seeing what a kernel change does to the instructions of the loop
-(NOTES, session 9: two adds per score folded into one) before spending device time on it.
+H100 table's entry for the preset, read from the table's internals: the entry for a call
+without a mask, with ``--causal`` for a causal one). The operands are random tensors with the
+dtypes, layouts and scale groups of the preset's default options (:func:`operands`;
+int_flash, fmha_int8, sage2_8b, fp8, flash, and ``sage2_8b_pv16``: sage2_8b with ``pv:
+fp16``), B=1, H=2, N=1024. They go through :func:`qattn_compile.kernels.launch._launch`,
+whose kernel call is intercepted and compiled as :mod:`decode_sass` does (same caveats:
+Triton internals, Triton 3.9 here against the GPU's 3.6). Counts are per loop iteration,
+i.e. per key tile, per warp. The backward branches of the TMA barriers' retry loops make
+some listed ranges span several loops: the main loop is a short range with one set of score
+MMAs and one of P·V MMAs (GMMA 8 at 64×128, D=128). What it is good for: seeing what a
+kernel change does to the instructions of the loop (NOTES, session 9: two adds per score
+folded into one) before spending device time on it.
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ def main() -> None:
     args = parser.parse_args()
     for preset in args.presets:
         table = _table_config(_base_preset(preset), args.dim, "sm90", torch.bfloat16,
-                              native_pv=preset.endswith(_NATIVE_PV_SUFFIX), unmasked=not args.causal)
+                              native_pv=preset.endswith(_NATIVE_PV_SUFFIX),
+                              unmasked=not args.causal)
         variants = [v.partition("=") for v in args.variants] or [("table", "=", "")]
         for name, _, fields in variants:
             cfg = AttentionConfig(**json.loads(fields)) if fields else table

@@ -2,11 +2,11 @@
 
 Attention kernels are looked up by ``(preset, padded head dim, arch)``, with a few entries
 for short key lengths (:data:`_SHORT_KEYS`) and for calls without any mask
-(:data:`_UNMASKED`); quantizer kernels by ``(padded head dim, arch)``. ``arch`` is ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and
-anything else with CUDA) or ``"interp"`` (the Triton interpreter on CPU tensors, where small
-tiles keep tests fast and still cover several tiles per row). The candidates the autotuner
-times (:func:`attention_candidates`, :mod:`.autotune`) live here too, under the same
-constraints.
+(:data:`_UNMASKED`); quantizer kernels by ``(padded head dim, arch)``. ``arch`` is
+``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and anything else with CUDA) or ``"interp"``
+(the Triton interpreter on CPU tensors, where small tiles keep tests fast and still cover
+several tiles per row). The candidates the autotuner times (:func:`attention_candidates`,
+:mod:`.autotune`) live here too, under the same constraints.
 
 Constraints the launchers rely on (checked by :func:`attention_config`):
 
@@ -344,9 +344,9 @@ def attention_candidates(
     unmasked: bool = False,
 ) -> list[AttentionConfig]:
     """The configs :mod:`.autotune` times for ``preset`` at ``head_dim`` on ``device``: the
-    table entry for ``keys`` keys (and ``unmasked``) first, then the arch's candidates, each shrunk to the
-    constraints that apply (as :func:`attention_config`), without duplicates. A candidate
-    may still not fit the GPU's shared memory; the tuner skips those."""
+    table entry for ``keys`` keys (and ``unmasked``) first, then the arch's candidates, each
+    shrunk to the constraints that apply (as :func:`attention_config`), without duplicates.
+    A candidate may still not fit the GPU's shared memory; the tuner skips those."""
     arch = arch_of(device)
     first = _table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked)
     out: list[AttentionConfig] = []
