@@ -80,6 +80,15 @@ def test_gpu_causal_gqa_2048(preset):
     check(q, k, v, preset, label="causal GQA 8/2 L=2048", is_causal=True)
 
 
+@pytest.mark.parametrize("length", [4096, 4100])
+def test_gpu_fp8_unmasked_long_keys(length):
+    """fp8 at D=128 with no mask, past the short-key limit: the table's unmasked tile (two
+    pipeline stages) runs, and keeps the accuracy criterion with a ragged last key tile too."""
+    q, k, v = make_qkv(b=1, hq=4, lq=length, d=128)
+    assert _kernels().prepare_attention(q, k, v, preset="fp8").cfg.num_stages == 2
+    check(q, k, v, "fp8", label=f"no mask L={length}")
+
+
 @pytest.mark.parametrize("preset", ALL_PRESETS)
 def test_gpu_hf_bool_mask_fully_masked_rows(preset):
     """transformers' materialized ``[B, 1, L, L]`` causal+padding mask, left padding."""
