@@ -222,6 +222,23 @@ def test_smoothing_means_and_delta_s():
     assert torch.equal(got.data, ref_q) and torch.equal(got.scale, ref_scale)
 
 
+@pytest.mark.parametrize("mean_group", [24, 64, 300])
+def test_quantizer_subtracts_a_given_mean_per_token_group(mean_group):
+    """A given mean with one row per ``mean_group`` tokens: gathered per token when a tile's
+    tokens span several rows (24), one row loaded per tile when they cannot (64: a multiple
+    of the tile; 300: longer than the tensor). The kernel quantizes exactly ``x − mean`` as
+    the reference does, INT8 in 16-token groups and INT4 per token."""
+    x = make_qkv(hq=2, lq=150, d=40, dtype=torch.float32, k_outliers=True)[1]
+    n_rows = -(-150 // mean_group)
+    mean = torch.randn(1, 2, n_rows, 40) * 3
+    per_token = mean.repeat_interleave(mean_group, dim=2)[:, :, :150]
+    for group, bits in ((16, 8), (1, 4)):
+        got = kq.quantize_int(x, group, bits, mean=mean, mean_group=mean_group)
+        ref_q, ref_scale = rq.quantize_int(x - per_token, group, bits)
+        values = rq.unpack_int4(got.data, 40) if bits == 4 else got.data
+        assert torch.equal(values, ref_q) and torch.equal(got.scale, ref_scale), (group, bits)
+
+
 @pytest.mark.parametrize("group, num_bits, d", [(16, 8, 80), (1, 8, 32), (16, 4, 40), (128, 8, 48)])
 def test_smoothed_quantizer_computes_the_block_means_itself(group, num_bits, d):
     """SageAttention2's Q: block means and quantization in one pass. Odd length (a partial

@@ -66,10 +66,12 @@ _SCALE_IN_TILE = tl.constexpr(0)  # token groups that fit in one tile: amax comp
 _SCALE_PER_GROUP = tl.constexpr(1)  # precomputed scale per token group
 _SCALE_PER_CHANNEL = tl.constexpr(2)  # precomputed scale per channel
 
-# _quantize_kernel's smoothing: no mean, a given mean, or block means computed in the tile.
+# _quantize_kernel's smoothing: no mean, a given mean (one row per token, or one row for the
+# whole tile), or block means computed in the tile.
 _MEAN_NONE = tl.constexpr(0)
 _MEAN_READ = tl.constexpr(1)
 _MEAN_IN_TILE = tl.constexpr(2)
+_MEAN_READ_TILE_ROW = tl.constexpr(3)
 
 # _quantize_kernel's output formats.
 _OUT_INT = tl.constexpr(0)
@@ -225,8 +227,9 @@ def _quantize_kernel(
     B*H)``).
 
     x: ``[B, H, L, D]``; mean ``[B, H, n, D]`` float32, token ``t`` subtracts row ``t //
-    mean_group`` (strides ``smb, smh, smg``; channel stride 1): read (``MEAN_MODE`` =
-    ``_MEAN_READ``), or computed here and written (``_MEAN_IN_TILE``: blocks of
+    mean_group`` (strides ``smb, smh, smg``; channel stride 1): read per token (``MEAN_MODE``
+    = ``_MEAN_READ``), read once per tile when all its tokens share one row
+    (``_MEAN_READ_TILE_ROW``), or computed here and written (``_MEAN_IN_TILE``: blocks of
     ``MEAN_GROUP`` = ``mean_group`` tokens, a power of two dividing ``BLOCK_T``; the mean
     of a partial last block is over its tokens), so that smoothing reads x once.
     Scales (``SCALE_MODE``): in-tile groups of ``GROUP`` tokens (power of two dividing
@@ -253,6 +256,10 @@ def _quantize_kernel(
         mean = load_tile(mean_ptr + b * smb + h * smh, rows // mean_group, cols, smg, 1,
                          tl.cdiv(L, mean_group), D, 0.0)
         x = tl.where(valid, x - mean, 0.0)
+    elif MEAN_MODE == _MEAN_READ_TILE_ROW:
+        row = (pid_t * BLOCK_T) // mean_group
+        mean = tl.load(mean_ptr + b * smb + h * smh + row * smg + cols, mask=cols < D, other=0.0)
+        x = tl.where(valid, x - mean[None, :], 0.0)
     elif MEAN_MODE == _MEAN_IN_TILE:
         blocks: tl.constexpr = BLOCK_T // MEAN_GROUP
         block_idx = pid_t * blocks + tl.arange(0, blocks)
@@ -503,7 +510,18 @@ def _launch_quantize(
         mode, sin, sin_strides = int(_SCALE_PER_GROUP), scale_in, scale_in.stride()
     mean_t = mean if mean is not None else absent()
     mean_strides = mean.stride()[:3] if mean is not None else (0, 0, 0)
-    mean_mode = _MEAN_NONE if mean is None else _MEAN_IN_TILE if mean_in_tile else _MEAN_READ
+    if mean is None:
+        mean_mode = _MEAN_NONE
+    elif mean_in_tile:
+        mean_mode = _MEAN_IN_TILE
+    elif not transposed and (mean_group % block_t == 0 or mean_group >= length):
+        # Every tile's tokens share one mean row (K's mean over all tokens): one [D] load per
+        # program instead of a [BLOCK_T, D] gather of the same row (H100, K at [4, 32, 16K,
+        # 128]: 426 -> 291 µs). The transposed 8-bit V (smooth_v) keeps the gather: there the
+        # row load was slower (630 -> 657 µs; benchmarks/RESULTS.md, session 14).
+        mean_mode = _MEAN_READ_TILE_ROW
+    else:
+        mean_mode = _MEAN_READ
     exact = interpreted(x.device)
     launcher(_quantize_kernel, x)[(triton.cdiv(length, block_t), bsz * heads)](
         x, mean_t, sin, out, scale_out, colsum if colsum is not None else absent(),
