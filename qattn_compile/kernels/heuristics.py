@@ -71,8 +71,8 @@ _DIMS = (32, 64, 128, 256)
 # programs per SM) win for flash at D=128 and for turbo at D=64; sage2_4b keeps 128×64
 # pointer loads at D=64. 256-wide heads need 8 warps on a 64-row tile. The 128-row
 # program's lockstep is our reading of that profile; the sweep is what chose the tiles.
-# Warp specialization is not used: Triton 3.6 miscompiles our loop with it
-# (benchmarks/NOTES.md).
+# Warp specialization is not used: Triton 3.6 miscompiles our loop with it, and on the
+# simplest 8-bit loop it is slower or wrong (benchmarks/loop_ceiling.py, NOTES.md session 15).
 _SM90_ONE_WARPGROUP = AttentionConfig(64, 128, 4, 3, tma=True)
 _SM90_ONE_WARPGROUP_SQUARE = AttentionConfig(64, 64, 4, 3, tma=True)
 _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
