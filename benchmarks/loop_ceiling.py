@@ -118,16 +118,16 @@ def _inputs(n: int, d: int, qk: str, device: str = "cuda"):
     return q, k, v, vt, qk_scale
 
 
-def _measure(qk: str, d: int, n: int, configs, with_reference: bool) -> None:
-    """Worker: time ``configs`` (each plain, then specialized) on one shape, printing one JSON
-    row per variant as soon as it is measured."""
+def _measure(qk: str, d: int, n: int, configs, with_reference: bool, variants) -> None:
+    """Worker: time ``configs`` (each plain, then specialized, as ``variants`` lists) on one
+    shape, printing one JSON row per variant as soon as it is measured."""
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
                                                                      device="cuda"))
     q, k, v, vt, qk_scale = _inputs(n, d, qk)
     ref = _reference(q, k, v, n, d, qk_scale) if with_reference else None
     for cfg in configs:
         plain = None
-        for warp_specialize in (False, True):
+        for warp_specialize in variants:
             row = {"qk": qk, "n": n, "d": d, "config": list(cfg),
                    "warp_specialize": warp_specialize}
             try:
@@ -152,17 +152,18 @@ def _measure(qk: str, d: int, n: int, configs, with_reference: bool) -> None:
             print(json.dumps(row), flush=True)
 
 
-def _rows_of_shape(qk: str, d: int, n: int, with_reference: bool) -> list[dict]:
+def _rows_of_shape(qk: str, d: int, n: int, with_reference: bool, configs,
+                   variants) -> list[dict]:
     """Every config's rows for one shape, each worker in its own process: a kernel that
     faults (an illegal address loses the CUDA context) is recorded and the next worker
     goes on with the configs after it."""
-    planned = [(tuple(cfg), ws) for cfg in CONFIGS for ws in (False, True)]
+    planned = [(tuple(cfg), ws) for cfg in configs for ws in variants]
     rows: list[dict] = []
     while len(rows) < len(planned):
         done = {(tuple(r["config"]), r["warp_specialize"]) for r in rows}
-        todo = [cfg for cfg in CONFIGS if (tuple(cfg), True) not in done]
+        todo = [cfg for cfg in configs if (tuple(cfg), variants[-1]) not in done]
         spec = json.dumps({"qk": qk, "d": d, "n": n, "configs": todo,
-                           "reference": with_reference})
+                           "reference": with_reference, "variants": variants})
         proc = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True,
                               text=True)
         new = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -188,16 +189,22 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--qk", nargs="+", choices=["fp8", "int8"], default=["fp8", "int8"])
+    parser.add_argument("--configs", nargs="+", default=["x".join(map(str, c)) for c in CONFIGS],
+                        help="launch configs as BLOCK_MxBLOCK_NxWARPSxSTAGES, e.g. 64x128x4x2")
+    parser.add_argument("--plain-only", action="store_true",
+                        help="time the loop without warp specialization only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one shape's configs
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
         _measure(spec["qk"], spec["d"], spec["n"], [tuple(c) for c in spec["configs"]],
-                 spec["reference"])
+                 spec["reference"], spec["variants"])
         return
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
+    variants = [False] if args.plain_only else [False, True]
     rows = []
     for qk, d, n in ((qk, d, n) for qk in args.qk for d in args.head_dims for n in args.seq):
-        rows += _rows_of_shape(qk, d, n, with_reference=n == min(args.seq))
+        rows += _rows_of_shape(qk, d, n, n == min(args.seq), configs, variants)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "triton": triton.__version__, "rows": rows}, f, indent=1)
