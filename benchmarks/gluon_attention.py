@@ -49,10 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-HEADS = 128  # B·H
+import loop_ceiling  # benchmarks/, the script's own directory: inputs, reference, B·H
+from loop_ceiling import HEADS, LOG2_448
+
 ROWS = 64  # query rows per consumer warpgroup (two per program)
 KEYS = 128  # keys per tile
-LOG2_448 = math.log2(448.0)
 CONSUMER_REGS = 232  # registers per thread of the consumer worker after reallocation
 PRODUCER_REGS = 24
 
@@ -232,13 +233,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for d, n in itertools.product(args.head_dims, args.seq):
-        q, k, v = (torch.randn(HEADS * n, d, device="cuda").to(torch.float8_e4m3fn)
-                   for _ in range(3))
-        vt = v.view(HEADS, n, d).transpose(1, 2).contiguous().view(HEADS * d, n)
-        heads = 4  # reference on the first heads only (float32 scores of N² per head)
-        qf, kf, vf = (x[: heads * n].float().view(heads, n, d) for x in (q, k, v))
-        ref = (torch.softmax(qf @ kf.transpose(1, 2) / math.sqrt(d), -1) @ vf).reshape(-1, d)
-        del qf, kf, vf
+        q, k, v, vt, qk_scale = loop_ceiling.inputs(n, d, "fp8")
+        ref = loop_ceiling.reference(q, k, v, n, d, qk_scale)  # the first 4 heads
         for stages, p_in_registers, overlap in itertools.product(args.stages, (False, True),
                                                                  (False, True)):
             if overlap and stages < 3:

@@ -94,7 +94,7 @@ def _run(q, k, vt, n, d, cfg, warp_specialize, qk_scale) -> torch.Tensor:
     return out
 
 
-def _reference(q, k, v, n, d, qk_scale, heads=4) -> torch.Tensor:
+def reference(q, k, v, n, d, qk_scale, heads=4) -> torch.Tensor:
     """float32 softmax attention of the first ``heads`` heads on the 8-bit values, ``[heads·n,
     d]``."""
     qf, kf, vf = (x[: heads * n].float().view(heads, n, d) for x in (q, k, v))
@@ -102,7 +102,7 @@ def _reference(q, k, v, n, d, qk_scale, heads=4) -> torch.Tensor:
     return (probs @ vf).reshape(heads * n, d)
 
 
-def _inputs(n: int, d: int, qk: str, device: str = "cuda"):
+def inputs(n: int, d: int, qk: str, device: str = "cuda"):
     """q, k ``[B·H·N, D]`` (FP8 of N(0, 1) values, or INT8 uniform in [−127, 127]), v as FP8
     and transposed ``[B·H·D, N]``, and the softmax scale that keeps the scores' spread alike."""
     if qk == "int8":
@@ -123,8 +123,8 @@ def _measure(qk: str, d: int, n: int, configs, with_reference: bool, variants) -
     shape, printing one JSON row per variant as soon as it is measured."""
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
                                                                      device="cuda"))
-    q, k, v, vt, qk_scale = _inputs(n, d, qk)
-    ref = _reference(q, k, v, n, d, qk_scale) if with_reference else None
+    q, k, v, vt, qk_scale = inputs(n, d, qk)
+    ref = reference(q, k, v, n, d, qk_scale) if with_reference else None
     for cfg in configs:
         plain = None
         for warp_specialize in variants:

@@ -30,8 +30,8 @@ def loop_ceiling(monkeypatch):
 @pytest.mark.parametrize("qk", ["fp8", "int8"])
 def test_bare_loop_matches_softmax_attention(loop_ceiling, qk):
     n, d, cfg = 192, 32, (64, 64, 4, 1)
-    q, k, v, vt, qk_scale = loop_ceiling._inputs(n, d, qk, device="cpu")
-    ref = loop_ceiling._reference(q, k, v, n, d, qk_scale, heads=2)
+    q, k, v, vt, qk_scale = loop_ceiling.inputs(n, d, qk, device="cpu")
+    ref = loop_ceiling.reference(q, k, v, n, d, qk_scale, heads=2)
 
     def rel_l1(scale):
         out = loop_ceiling._run(q, k, vt, n, d, cfg, False, scale)
