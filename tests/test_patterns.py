@@ -517,6 +517,8 @@ def test_sites_are_named_by_module_fqn_class_and_source_line():
         "L['self']._modules['model']._modules['layers']._modules['0'].self_attn",
         "getattr(L['self'].model.layers, '0').self_attn",
         "L['model'].model.layers.0.self_attn",
+        "L['args'][0].model.layers.0.self_attn",  # forward wrapped as f(*args) (transformers 5.24)
+        "L['args'][0]._modules['model'].layers[0].self_attn",
     ],
 )
 def test_dynamo_module_paths_become_fqns(dynamo_path):

@@ -83,8 +83,11 @@ def _dim(node: fx.Node, i: int):
     return shape[i] if len(shape) >= abs(i) else None
 
 
-_DYNAMO_ROOT = re.compile(r"^[LG]\['[^']+'\]\.?")
-_MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
+_DYNAMO_ROOT = re.compile(r"^[LG]\['args'\]\[\d+\]\.?|^[LG]\['[^']+'\]\.?")
+"""The root of a dynamo module path: a local or global, or one item of the ``args`` tuple of
+a forward reached through a ``*args`` wrapper (``L['args'][0]``: transformers 5.24 wraps the
+models' ``forward`` in a keyword-deprecation wrapper). Anything after it names the module."""
+_MODULES_ITEM = re.compile(r"\.?_modules\['([^']+)'\]")
 _INDEX = re.compile(r"\[(\d+)\]")
 _GETATTR = re.compile(r"getattr\(([^()]*), '([^']+)'\)")
 
@@ -93,15 +96,15 @@ def clean_fqn(dynamo_path: str) -> str:
     """Module FQN from a dynamo module path.
 
     ``L['self'].model.layers.0.self_attn``, ``L['self'].model.layers[0].self_attn``,
-    ``L['self']._modules['model']...`` and ``getattr(L['self'].layers, '0')`` all give
-    ``model.layers.0.self_attn``-style names.
+    ``L['self']._modules['model']...``, ``getattr(L['self'].layers, '0')`` and
+    ``L['args'][0].model.layers.0.self_attn`` all give ``model.layers.0.self_attn``-style names.
     """
     path = dynamo_path
     while _GETATTR.search(path):
         path = _GETATTR.sub(r"\1.\2", path)
+    path = _DYNAMO_ROOT.sub("", path)
     path = _MODULES_ITEM.sub(r".\1", path)
-    path = _INDEX.sub(r".\1", path)
-    return _DYNAMO_ROOT.sub("", path)
+    return _INDEX.sub(r".\1", path).lstrip(".")
 
 
 def module_of(node: fx.Node) -> tuple[str, str | None]:
