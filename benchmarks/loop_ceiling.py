@@ -20,6 +20,19 @@ processes: a kernel that faults (Triton 3.6 miscompiles some specialized loops i
 addresses, which lose the CUDA context) is recorded as an error and the configs after it go on
 in a fresh process.
 
+``--pv`` adds variants of the P·V step (NOTES, session 17), to see what the 8-bit P formats
+and the online softmax's bookkeeping cost in this loop:
+
+- ``fp8``: the loop above (FP8 P and V, a fresh product per tile, ``acc·α + P·V``);
+- ``int8-row``: INT8 ``round(127·2^(S − m))`` against the running max, INT8 V, the int32
+  product converted per tile (int_flash / fmha_int8 with ``p_scale: row``);
+- ``int8-tile``: INT8 P against each tile's own max, the product weighted by ``2^(m_t − m)``
+  (their default ``p_scale: tile``);
+- ``oracle-max``: INT8 P against each row's exact max computed beforehand on the host, the
+  int32 product accumulated in place in the tensor core, no max, no ``α``: what the loop
+  would cost if the online softmax's bookkeeping were free (not an algorithm: it needs the
+  scores before the loop).
+
 B·H = 128 (B=4, H=32), N ∈ ``--seq``, D ∈ ``--head-dims``; re-run it after a Triton upgrade
 before trying warp specialization in the kernel again.
 """
@@ -36,23 +49,36 @@ import torch
 import triton
 import triton.language as tl
 
+from qattn_compile.kernels.primitives import rint_to_int32
+
 HEADS = 128  # B·H
 CONFIGS = [  # (block_m, block_n, num_warps, num_stages)
     (64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 2), (128, 128, 4, 2), (128, 64, 4, 3),
 ]
 LOG2E = math.log2(math.e)
 LOG2_448 = math.log2(448.0)
+LOG2_127 = math.log2(127.0)
+PV_MODES = {"fp8": 0, "int8-row": 1, "int8-tile": 2, "oracle-max": 3}
+"""``--pv`` name → the loop's ``PV`` switch (module docstring)."""
+PV_FP8 = tl.constexpr(PV_MODES["fp8"])
+PV_INT8_ROW = tl.constexpr(PV_MODES["int8-row"])
+PV_INT8_TILE = tl.constexpr(PV_MODES["int8-tile"])
+PV_ORACLE_MAX = tl.constexpr(PV_MODES["oracle-max"])
 
 
 @triton.jit
-def _8bit_attention_loop(q_ptr, k_ptr, vt_ptr, o_ptr, N, BH, qk_scale, log2_pmax,
+def _8bit_attention_loop(q_ptr, k_ptr, vt_ptr, o_ptr, mref_ptr, N, BH, qk_scale, log2_pmax,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        QK_INT8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                        QK_INT8: tl.constexpr, PV: tl.constexpr,
+                        WARP_SPECIALIZE: tl.constexpr):
     """Rows ``[pid_m·BLOCK_M, …)`` of head ``pid_bh``: q, k ``[B·H·N, D]`` and the transposed
-    vt ``[B·H·D, N]`` (K-major for the FP8 P·V MMA), float8 e4m3; o float32 ``[B·H·N, D]``;
-    ``BH`` = B·H. (Computing B·H as ``tl.num_programs(1)`` in the descriptors' shapes made the
-    specialized 128×128 loop read out of bounds on Triton 3.6: an illegal address.)
-    ``qk_scale`` = softmax scale · log2 e. ``QK_INT8``: q and k are int8 (int32 scores)."""
+    vt ``[B·H·D, N]`` (K-major for the 8-bit P·V MMA), float8 e4m3 or int8 (``QK_INT8``: q and
+    k int8, int32 scores; ``PV``: vt is FP8 for :data:`PV_FP8`, int8 otherwise); o float32
+    ``[B·H·N, D]``; ``BH`` = B·H; ``mref_ptr``: float32 ``[B·H·N]`` row maxes of the scores
+    in log2 units (read by :data:`PV_ORACLE_MAX` only). (Computing B·H as
+    ``tl.num_programs(1)`` in the descriptors' shapes made the specialized 128×128 loop read
+    out of bounds on Triton 3.6: an illegal address.) ``qk_scale`` = softmax scale · log2 e;
+    ``log2_pmax`` = log2 of P's largest code (448 for FP8, 127 for INT8)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     rows_total = BH * N
@@ -63,48 +89,96 @@ def _8bit_attention_loop(q_ptr, k_ptr, vt_ptr, o_ptr, N, BH, qk_scale, log2_pmax
     v_desc = tl.make_tensor_descriptor(vt_ptr, shape=[BH * D, N],
                                        strides=[N, 1], block_shape=[D, BLOCK_N])
     q = q_desc.load([bh * N + pid_m * BLOCK_M, 0])
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    rows = bh * N + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PV == PV_ORACLE_MAX:
+        m_i = tl.load(mref_ptr + rows)
+        acc = tl.zeros((BLOCK_M, D), tl.int32)
+        l_i = tl.zeros((BLOCK_M,), tl.int32)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
     for start_n in tl.range(0, N, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = k_desc.load([bh * N + start_n, 0])
         if QK_INT8:
             s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qk_scale
         else:
             s = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - (m_new - log2_pmax)[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.trans(v_desc.load([bh * D, start_n]))
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), v)
-        m_i = m_new
-    rows = bh * N + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if PV == PV_ORACLE_MAX:
+            p = rint_to_int32(tl.math.exp2(s - (m_i - log2_pmax)[:, None]))
+            l_i += tl.sum(p, 1)
+            acc = tl.dot(p.to(tl.int8), v, acc, out_dtype=tl.int32)
+        else:
+            m_tile = tl.max(s, 1)
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.math.exp2(m_i - m_new)
+            if PV == PV_FP8:
+                p = tl.math.exp2(s - (m_new - log2_pmax)[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), v)
+            elif PV == PV_INT8_ROW:
+                p = rint_to_int32(tl.math.exp2(s - (m_new - log2_pmax)[:, None]))
+                l_i = l_i * alpha + tl.sum(p, 1).to(tl.float32)
+                pv = tl.dot(p.to(tl.int8), v, out_dtype=tl.int32).to(tl.float32)
+                acc = acc * alpha[:, None] + pv
+            else:
+                weight = tl.math.exp2(m_tile - m_new)
+                p = rint_to_int32(tl.math.exp2(s - (m_tile - log2_pmax)[:, None]))
+                l_i = l_i * alpha + tl.sum(p, 1).to(tl.float32) * weight
+                pv = tl.dot(p.to(tl.int8), v, out_dtype=tl.int32).to(tl.float32)
+                acc = acc * alpha[:, None] + pv * weight[:, None]
+            m_i = m_new
     cols = tl.arange(0, D)
-    tl.store(o_ptr + rows[:, None] * D + cols[None, :], acc / l_i[:, None])
+    o = acc.to(tl.float32) / l_i.to(tl.float32)[:, None]
+    tl.store(o_ptr + rows[:, None] * D + cols[None, :], o)
 
 
-def _run(q, k, vt, n, d, cfg, warp_specialize, qk_scale) -> torch.Tensor:
+def _run(q, k, vt, n, d, cfg, warp_specialize, qk_scale, pv="fp8", m_ref=None) -> torch.Tensor:
+    """The loop over all ``HEADS`` heads with launch config ``cfg`` and P·V variant ``pv``
+    (``m_ref``: :func:`row_max_log2`, for ``oracle-max`` only); float32 ``[B·H·N, D]``."""
     block_m, block_n, warps, stages = cfg
     out = torch.empty(HEADS * n, d, device=q.device, dtype=torch.float32)
+    if m_ref is None:
+        m_ref = out  # never read by the other variants
     _8bit_attention_loop[(n // block_m, HEADS)](
-        q, k, vt, out, n, HEADS, qk_scale * LOG2E, LOG2_448, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        QK_INT8=q.dtype == torch.int8, WARP_SPECIALIZE=warp_specialize, num_warps=warps,
-        num_stages=stages)
+        q, k, vt, out, m_ref, n, HEADS, qk_scale * LOG2E,
+        LOG2_448 if pv == "fp8" else LOG2_127, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        QK_INT8=q.dtype == torch.int8, PV=PV_MODES[pv], WARP_SPECIALIZE=warp_specialize,
+        num_warps=warps, num_stages=stages)
     return out
 
 
-def reference(q, k, v, n, d, qk_scale, heads=4) -> torch.Tensor:
+def _scores(q, k, n, qk_scale, head):
+    """float32 ``[N, N]`` scores of one head on the 8-bit values (no softmax)."""
+    rows = slice(head * n, (head + 1) * n)
+    return (q[rows].float() @ k[rows].float().T) * qk_scale
+
+
+def reference(q, k, v, n, qk_scale, heads=4) -> torch.Tensor:
     """float32 softmax attention of the first ``heads`` heads on the 8-bit values, ``[heads·n,
     d]``."""
-    qf, kf, vf = (x[: heads * n].float().view(heads, n, d) for x in (q, k, v))
-    probs = torch.softmax(qf @ kf.transpose(1, 2) * qk_scale, dim=-1)
-    return (probs @ vf).reshape(heads * n, d)
+    out = [torch.softmax(_scores(q, k, n, qk_scale, h), dim=-1)
+           @ v[h * n: (h + 1) * n].float() for h in range(heads)]
+    return torch.cat(out)
 
 
-def inputs(n: int, d: int, qk: str, device: str = "cuda"):
-    """q, k ``[B·H·N, D]`` (FP8 of N(0, 1) values, or INT8 uniform in [−127, 127]), v as FP8
-    and transposed ``[B·H·D, N]``, and the softmax scale that keeps the scores' spread alike."""
+ORACLE_MARGIN = 0.01
+"""log2 units added to the host's row max: the FP8 MMA's accumulation may round a score
+above the float32 product's, and INT8 P must stay ≤ 127 (``127·2^−0.01`` = 126.1)."""
+
+
+def row_max_log2(q, k, n, qk_scale) -> torch.Tensor:
+    """float32 ``[B·H·N]`` row maxes of the scores in log2 units plus :data:`ORACLE_MARGIN`
+    (the ``oracle-max`` variant's reference)."""
+    return torch.cat([_scores(q, k, n, qk_scale * LOG2E, h).amax(dim=1)
+                      for h in range(HEADS)]) + ORACLE_MARGIN
+
+
+def inputs(n: int, d: int, qk: str, pv: str = "fp8", device: str = "cuda"):
+    """q, k ``[B·H·N, D]`` (FP8 of N(0, 1) values, or INT8 uniform in [−127, 127]), v ``[B·H·N,
+    D]`` (FP8 of N(0, 1) values for ``pv="fp8"``, else INT8 uniform in [−127, 127]) and its
+    transpose ``[B·H·D, N]``, and the softmax scale that keeps the scores' spread alike."""
     if qk == "int8":
         q, k = (torch.randint(-127, 128, (HEADS * n, d), device=device, dtype=torch.int8)
                 for _ in range(2))
@@ -113,28 +187,35 @@ def inputs(n: int, d: int, qk: str, device: str = "cuda"):
         q, k = (torch.randn(HEADS * n, d, device=device).to(torch.float8_e4m3fn)
                 for _ in range(2))
         qk_scale = 1.0 / math.sqrt(d)
-    v = torch.randn(HEADS * n, d, device=device).to(torch.float8_e4m3fn)
+    if pv == "fp8":
+        v = torch.randn(HEADS * n, d, device=device).to(torch.float8_e4m3fn)
+    else:
+        v = torch.randint(-127, 128, (HEADS * n, d), device=device, dtype=torch.int8)
     vt = v.view(HEADS, n, d).transpose(1, 2).contiguous().view(HEADS * d, n)
     return q, k, v, vt, qk_scale
 
 
-def _measure(qk: str, d: int, n: int, configs, with_reference: bool, variants) -> None:
+def _measure(qk: str, pv: str, d: int, n: int, configs, with_reference: bool, variants) -> None:
     """Worker: time ``configs`` (each plain, then specialized, as ``variants`` lists) on one
     shape, printing one JSON row per variant as soon as it is measured."""
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
                                                                      device="cuda"))
-    q, k, v, vt, qk_scale = inputs(n, d, qk)
-    ref = reference(q, k, v, n, d, qk_scale) if with_reference else None
+    q, k, v, vt, qk_scale = inputs(n, d, qk, pv)
+    m_ref = row_max_log2(q, k, n, qk_scale) if pv == "oracle-max" else None
+    ref = reference(q, k, v, n, qk_scale) if with_reference else None
     for cfg in configs:
         plain = None
         for warp_specialize in variants:
-            row = {"qk": qk, "n": n, "d": d, "config": list(cfg),
+            row = {"qk": qk, "pv": pv, "n": n, "d": d, "config": list(cfg),
                    "warp_specialize": warp_specialize}
+
+            def call():
+                return _run(q, k, vt, n, d, cfg, warp_specialize, qk_scale, pv, m_ref)
+
             try:
-                out = _run(q, k, vt, n, d, cfg, warp_specialize, qk_scale)
+                out = call()
                 torch.cuda.synchronize()  # a fault shows here, on the config that caused it
-                ms = triton.testing.do_bench(
-                    lambda: _run(q, k, vt, n, d, cfg, warp_specialize, qk_scale), rep=200)
+                ms = triton.testing.do_bench(call, rep=200)
             except Exception as exc:  # a config Triton cannot compile is a result too
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 print(json.dumps(row), flush=True)
@@ -152,7 +233,7 @@ def _measure(qk: str, d: int, n: int, configs, with_reference: bool, variants) -
             print(json.dumps(row), flush=True)
 
 
-def _rows_of_shape(qk: str, d: int, n: int, with_reference: bool, configs,
+def _rows_of_shape(qk: str, pv: str, d: int, n: int, with_reference: bool, configs,
                    variants) -> list[dict]:
     """Every config's rows for one shape, each worker in its own process: a kernel that
     faults (an illegal address loses the CUDA context) is recorded and the next worker
@@ -162,7 +243,7 @@ def _rows_of_shape(qk: str, d: int, n: int, with_reference: bool, configs,
     while len(rows) < len(planned):
         done = {(tuple(r["config"]), r["warp_specialize"]) for r in rows}
         todo = [cfg for cfg in configs if (tuple(cfg), variants[-1]) not in done]
-        spec = json.dumps({"qk": qk, "d": d, "n": n, "configs": todo,
+        spec = json.dumps({"qk": qk, "pv": pv, "d": d, "n": n, "configs": todo,
                            "reference": with_reference, "variants": variants})
         proc = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True,
                               text=True)
@@ -172,14 +253,15 @@ def _rows_of_shape(qk: str, d: int, n: int, with_reference: bool, configs,
         for row in new:
             checks = "".join(f"  {name} {row[name]:.4g}" for name in
                              ("tops", "rel_l1", "max_diff_to_plain") if name in row)
-            print(f"{qk} N={n} D={d} {tuple(row['config'])} warp_specialize="
+            print(f"{qk} P·V {pv} N={n} D={d} {tuple(row['config'])} warp_specialize="
                   f"{row['warp_specialize']:d}:{checks}  {row.get('error', '')}", flush=True)
         if not new:  # the worker reported nothing new (it died at once): give up on the rest
             tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            rows += [{"qk": qk, "n": n, "d": d, "config": list(cfg), "warp_specialize": ws,
+            rows += [{"qk": qk, "pv": pv, "n": n, "d": d, "config": list(cfg),
+                      "warp_specialize": ws,
                       "error": f"worker died: {tail[:200]}"}
                      for cfg, ws in planned if (cfg, ws) not in done]
-            print(qk, n, d, "worker died:", tail, flush=True)
+            print(qk, pv, n, d, "worker died:", tail, flush=True)
     return rows
 
 
@@ -191,20 +273,23 @@ def main() -> None:
     parser.add_argument("--qk", nargs="+", choices=["fp8", "int8"], default=["fp8", "int8"])
     parser.add_argument("--configs", nargs="+", default=["x".join(map(str, c)) for c in CONFIGS],
                         help="launch configs as BLOCK_MxBLOCK_NxWARPSxSTAGES, e.g. 64x128x4x2")
+    parser.add_argument("--pv", nargs="+", choices=list(PV_MODES), default=["fp8"],
+                        help="P·V variants (module docstring)")
     parser.add_argument("--plain-only", action="store_true",
                         help="time the loop without warp specialization only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one shape's configs
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
-        _measure(spec["qk"], spec["d"], spec["n"], [tuple(c) for c in spec["configs"]],
+        _measure(spec["qk"], spec["pv"], spec["d"], spec["n"], [tuple(c) for c in spec["configs"]],
                  spec["reference"], spec["variants"])
         return
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
     variants = [False] if args.plain_only else [False, True]
     rows = []
-    for qk, d, n in ((qk, d, n) for qk in args.qk for d in args.head_dims for n in args.seq):
-        rows += _rows_of_shape(qk, d, n, n == min(args.seq), configs, variants)
+    for qk, d, n, pv in ((qk, d, n, pv) for qk in args.qk for d in args.head_dims
+                         for n in args.seq for pv in args.pv):
+        rows += _rows_of_shape(qk, pv, d, n, n == min(args.seq), configs, variants)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "triton": triton.__version__, "rows": rows}, f, indent=1)

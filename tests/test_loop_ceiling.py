@@ -27,18 +27,22 @@ def loop_ceiling(monkeypatch):
     return module
 
 
-@pytest.mark.parametrize("qk", ["fp8", "int8"])
-def test_bare_loop_matches_softmax_attention(loop_ceiling, qk):
+@pytest.mark.parametrize("qk, pv", [("fp8", "fp8"), ("int8", "fp8"), ("int8", "int8-row"),
+                                    ("int8", "int8-tile"), ("int8", "oracle-max"),
+                                    ("fp8", "oracle-max")])
+def test_bare_loop_matches_softmax_attention(loop_ceiling, qk, pv):
     n, d, cfg = 192, 32, (64, 64, 4, 1)
-    q, k, v, vt, qk_scale = loop_ceiling.inputs(n, d, qk, device="cpu")
-    ref = loop_ceiling.reference(q, k, v, n, d, qk_scale, heads=2)
+    q, k, v, vt, qk_scale = loop_ceiling.inputs(n, d, qk, pv, device="cpu")
+    ref = loop_ceiling.reference(q, k, v, n, qk_scale, heads=2)
 
     def rel_l1(scale):
-        out = loop_ceiling._run(q, k, vt, n, d, cfg, False, scale)
+        m_ref = loop_ceiling.row_max_log2(q, k, n, scale) if pv == "oracle-max" else None
+        out = loop_ceiling._run(q, k, vt, n, d, cfg, False, scale, pv, m_ref)
         return ((out - ref).abs().sum() / ref.abs().sum()).item()
 
     # P rounded to e4m3 gives ~2.5 % on the GPU; the interpreter's fp32→fp8 conversion
-    # mis-rounds some values on top (~5 % here). A softmax scale 20 % off gives ~26 %.
+    # mis-rounds some values on top (~5 % here); INT8 P ~1–3 %. A softmax scale 20 % off
+    # gives ~26 %.
     err, err_wrong_scale = rel_l1(qk_scale), rel_l1(1.2 * qk_scale)
     assert err < 0.1, err
     assert err_wrong_scale > 3 * err, (err, err_wrong_scale)
