@@ -31,7 +31,10 @@ and the online softmax's bookkeeping cost in this loop:
 - ``oracle-max``: INT8 P against each row's exact max computed beforehand on the host, the
   int32 product accumulated in place in the tensor core, no max, no ``α``: what the loop
   would cost if the online softmax's bookkeeping were free (not an algorithm: it needs the
-  scores before the loop).
+  scores before the loop);
+- ``two-pass``: the same loop after a first pass on the GPU (:func:`_row_max_pass`: the
+  score MMA and a max per score, nothing else) that computes each row's exact max: the
+  algorithm that the ``oracle-max`` bound suggests, timed with both passes (NOTES, session 18).
 
 B·H = 128 (B=4, H=32), N ∈ ``--seq``, D ∈ ``--head-dims``; re-run it after a Triton upgrade
 before trying warp specialization in the kernel again.
@@ -58,8 +61,16 @@ CONFIGS = [  # (block_m, block_n, num_warps, num_stages)
 LOG2E = math.log2(math.e)
 LOG2_448 = math.log2(448.0)
 LOG2_127 = math.log2(127.0)
-PV_MODES = {"fp8": 0, "int8-row": 1, "int8-tile": 2, "oracle-max": 3}
-"""``--pv`` name → the loop's ``PV`` switch (module docstring)."""
+PV_MODES = {"fp8": 0, "int8-row": 1, "int8-tile": 2, "oracle-max": 3, "two-pass": 3}
+"""``--pv`` name → the loop's ``PV`` switch (module docstring; ``two-pass`` runs the
+``oracle-max`` loop after :func:`_row_max_pass`)."""
+ORACLE_MARGIN = 0.01
+"""log2 units added to each row's max (the host's or the first pass's): the FP8 MMA's
+accumulation may round a score above the float32 product's, and INT8 P must stay ≤ 127
+(``127·2^−0.01`` = 126.1)."""
+MAX_PASS_CONFIG = (128, 128, 4, 3)
+"""``two-pass``'s first pass (BLOCK_M, BLOCK_N, warps, stages): the fastest of the eight
+measured at D ∈ {64, 128}, N ∈ {4K, 16K} (RESULTS, session 18)."""
 PV_FP8 = tl.constexpr(PV_MODES["fp8"])
 PV_INT8_ROW = tl.constexpr(PV_MODES["int8-row"])
 PV_INT8_TILE = tl.constexpr(PV_MODES["int8-tile"])
@@ -134,11 +145,55 @@ def _8bit_attention_loop(q_ptr, k_ptr, vt_ptr, o_ptr, mref_ptr, N, BH, qk_scale,
     tl.store(o_ptr + rows[:, None] * D + cols[None, :], o)
 
 
+@triton.jit
+def _row_max_pass(q_ptr, k_ptr, mref_ptr, N, BH, qk_scale, margin, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr):
+    """``two-pass``'s first pass: mref float32 ``[B·H·N]`` = each row's largest score in log2
+    units (``max_j q_i·k_j · qk_scale``) plus ``margin``, from the same q, k ``[B·H·N, D]`` as
+    :func:`_8bit_attention_loop`. The max is taken on the raw dot (int32 for INT8) and scaled
+    once: ``qk_scale`` is positive, so it is the max of the loop's scaled scores."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[BH * N, D], strides=[D, 1],
+                                       block_shape=[BLOCK_M, D])
+    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[BH * N, D], strides=[D, 1],
+                                       block_shape=[BLOCK_N, D])
+    q = q_desc.load([bh * N + pid_m * BLOCK_M, 0])
+    if QK_INT8:
+        m_i = tl.full((BLOCK_M,), -2147483647, tl.int32)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for start_n in tl.range(0, N, BLOCK_N):
+        k = k_desc.load([bh * N + start_n, 0])
+        if QK_INT8:
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        m_i = tl.maximum(m_i, tl.max(s, 1))
+    rows = bh * N + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(mref_ptr + rows, m_i.to(tl.float32) * qk_scale + margin)
+
+
+def row_max_on_device(q, k, n, d, qk_scale, out=None) -> torch.Tensor:
+    """:func:`_row_max_pass` over all ``HEADS`` heads with :data:`MAX_PASS_CONFIG`: float32
+    ``[B·H·N]``, the same values as :func:`row_max_log2` (written into ``out`` if given)."""
+    block_m, block_n, warps, stages = MAX_PASS_CONFIG
+    if out is None:
+        out = torch.empty(HEADS * n, device=q.device, dtype=torch.float32)
+    _row_max_pass[(n // block_m, HEADS)](
+        q, k, out, n, HEADS, qk_scale * LOG2E, ORACLE_MARGIN, D=d, BLOCK_M=block_m,
+        BLOCK_N=block_n, QK_INT8=q.dtype == torch.int8, num_warps=warps, num_stages=stages)
+    return out
+
+
 def _run(q, k, vt, n, d, cfg, warp_specialize, qk_scale, pv="fp8", m_ref=None) -> torch.Tensor:
     """The loop over all ``HEADS`` heads with launch config ``cfg`` and P·V variant ``pv``
-    (``m_ref``: :func:`row_max_log2`, for ``oracle-max`` only); float32 ``[B·H·N, D]``."""
+    (``m_ref``: :func:`row_max_log2` for ``oracle-max``; ``two-pass`` writes it into ``m_ref``
+    with :func:`row_max_on_device` first); float32 ``[B·H·N, D]``."""
     block_m, block_n, warps, stages = cfg
     out = torch.empty(HEADS * n, d, device=q.device, dtype=torch.float32)
+    if pv == "two-pass":
+        row_max_on_device(q, k, n, d, qk_scale, m_ref)
     if m_ref is None:
         m_ref = out  # never read by the other variants
     _8bit_attention_loop[(n // block_m, HEADS)](
@@ -161,11 +216,6 @@ def reference(q, k, v, n, qk_scale, heads=4) -> torch.Tensor:
     out = [torch.softmax(_scores(q, k, n, qk_scale, h), dim=-1)
            @ v[h * n: (h + 1) * n].float() for h in range(heads)]
     return torch.cat(out)
-
-
-ORACLE_MARGIN = 0.01
-"""log2 units added to the host's row max: the FP8 MMA's accumulation may round a score
-above the float32 product's, and INT8 P must stay ≤ 127 (``127·2^−0.01`` = 126.1)."""
 
 
 def row_max_log2(q, k, n, qk_scale) -> torch.Tensor:
@@ -201,7 +251,11 @@ def _measure(qk: str, pv: str, d: int, n: int, configs, with_reference: bool, va
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
                                                                      device="cuda"))
     q, k, v, vt, qk_scale = inputs(n, d, qk, pv)
-    m_ref = row_max_log2(q, k, n, qk_scale) if pv == "oracle-max" else None
+    m_ref = None
+    if pv == "oracle-max":
+        m_ref = row_max_log2(q, k, n, qk_scale)
+    elif pv == "two-pass":  # NaN until each call's first pass fills it
+        m_ref = torch.full((HEADS * n,), float("nan"), device=q.device)
     ref = reference(q, k, v, n, qk_scale) if with_reference else None
     for cfg in configs:
         plain = None
