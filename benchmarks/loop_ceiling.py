@@ -78,6 +78,14 @@ PV_ORACLE_MAX = tl.constexpr(PV_MODES["oracle-max"])
 
 
 @triton.jit
+def _raw_scores(q, k, QK_INT8: tl.constexpr):
+    """``q·kᵀ`` of one tile before any scale: int32 for INT8 operands, float32 for FP8."""
+    if QK_INT8:
+        return tl.dot(q, tl.trans(k), out_dtype=tl.int32)
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
 def _8bit_attention_loop(q_ptr, k_ptr, vt_ptr, o_ptr, mref_ptr, N, BH, qk_scale, log2_pmax,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         QK_INT8: tl.constexpr, PV: tl.constexpr,
@@ -111,10 +119,7 @@ def _8bit_attention_loop(q_ptr, k_ptr, vt_ptr, o_ptr, mref_ptr, N, BH, qk_scale,
         l_i = tl.zeros((BLOCK_M,), tl.float32)
     for start_n in tl.range(0, N, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = k_desc.load([bh * N + start_n, 0])
-        if QK_INT8:
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = _raw_scores(q, k, QK_INT8).to(tl.float32) * qk_scale
         v = tl.trans(v_desc.load([bh * D, start_n]))
         if PV == PV_ORACLE_MAX:
             p = rint_to_int32(tl.math.exp2(s - (m_i - log2_pmax)[:, None]))
@@ -165,11 +170,7 @@ def _row_max_pass(q_ptr, k_ptr, mref_ptr, N, BH, qk_scale, margin, D: tl.constex
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     for start_n in tl.range(0, N, BLOCK_N):
         k = k_desc.load([bh * N + start_n, 0])
-        if QK_INT8:
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
-        else:
-            s = tl.dot(q, tl.trans(k))
-        m_i = tl.maximum(m_i, tl.max(s, 1))
+        m_i = tl.maximum(m_i, tl.max(_raw_scores(q, k, QK_INT8), 1))
     rows = bh * N + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(mref_ptr + rows, m_i.to(tl.float32) * qk_scale + margin)
 
@@ -188,12 +189,12 @@ def row_max_on_device(q, k, n, d, qk_scale, out=None) -> torch.Tensor:
 
 def _run(q, k, vt, n, d, cfg, warp_specialize, qk_scale, pv="fp8", m_ref=None) -> torch.Tensor:
     """The loop over all ``HEADS`` heads with launch config ``cfg`` and P·V variant ``pv``
-    (``m_ref``: :func:`row_max_log2` for ``oracle-max``; ``two-pass`` writes it into ``m_ref``
-    with :func:`row_max_on_device` first); float32 ``[B·H·N, D]``."""
+    (``m_ref``: :func:`row_max_log2` for ``oracle-max``; ``two-pass`` fills it, or a new
+    buffer when None, with :func:`row_max_on_device` first); float32 ``[B·H·N, D]``."""
     block_m, block_n, warps, stages = cfg
     out = torch.empty(HEADS * n, d, device=q.device, dtype=torch.float32)
     if pv == "two-pass":
-        row_max_on_device(q, k, n, d, qk_scale, m_ref)
+        m_ref = row_max_on_device(q, k, n, d, qk_scale, m_ref)
     if m_ref is None:
         m_ref = out  # never read by the other variants
     _8bit_attention_loop[(n // block_m, HEADS)](
