@@ -10,9 +10,10 @@ A quantization *granularity* names how many consecutive tokens share one scale:
   value tokens (SageAttention's per-block scheme; TurboAttention's B_r / B_c blocks).
 - ``tensor``: one scale per (batch, head).
 
-Kernels load scales by token index (``token // group``), so the attention tile sizes chosen
-by the launch heuristics are independent of these groups; they only have to be known to
-the quantizer and the reference, and both read them here.
+Kernels load scales by token index (``token // group``), so most tile sizes work with any
+group; the few constraints between the attention tiles and these groups (per-block V
+scales, the Q-smoothing block, :data:`V_KEY_BLOCK`) are listed and checked in
+:mod:`qattn_compile.kernels.heuristics`.
 """
 
 QUANT_WARP_Q = 16
@@ -22,8 +23,9 @@ SMOOTH_Q_BLOCK = QUANT_BLOCK_Q  # tokens that share one q̄ in SageAttention2's 
 P_KEY_TILE = 64
 """Keys per tile over which the reference takes integer P's max under ``p_scale: tile``
 when the caller does not pass the kernel's key tile (``key_tile``). A kernel's tile is its
-``block_n`` from :mod:`qattn_compile.kernels.heuristics` (64 or 128 on GPUs, 32 under the
-interpreter); tests pass it so that reference and kernel quantize P over the same keys."""
+``block_n`` from :mod:`qattn_compile.kernels.heuristics` (a multiple of 32, which depends on
+the preset, head dim and arch); tests pass it so that reference and kernel quantize P over
+the same keys."""
 KV_CACHE_BLOCK = QUANT_BLOCK_KV  # tokens per FlashQ KV-cache block (turbo's B_c: the prefill's INT8 groups)
 V_KEY_BLOCK = 32
 """Tokens per block within which the attention kernel's 8-bit V (transposed ``[B, H, D,

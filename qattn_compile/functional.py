@@ -67,12 +67,17 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, ena
                 f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
                 "grouped-query attention"
             )
-        if hq % hkv:
+        if hkv == 0 or hq % hkv:
             raise ValueError(
                 f"Number of heads in key and value must divide the number of heads in query "
                 f"(query {hq}, key/value {hkv})"
             )
     if attn_mask is not None:
+        if attn_mask.dim() > q.dim():
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} has more dims than query "
+                f"{tuple(q.shape)}"
+            )
         if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
             raise ValueError(
                 f"Expected attn_mask dtype to be bool or to match query dtype, but got "
@@ -96,7 +101,9 @@ def _to_4d(t: Tensor) -> Tensor:
 
 
 def _mask_to_4d(mask: Tensor, q: Tensor, kv_len: int) -> Tensor:
-    """Broadcast-compatible mask -> 4-D view ``[B|1, Hq|1, Lq|1, Lkv|1]`` without copying."""
+    """Broadcast-compatible mask -> 4-D ``[B|1, Hq|1, Lq|1, Lkv|1]``: a view when the mask's
+    leading (batch) dims are all 1, else a copy expanded over q's leading dims (folded into
+    B as :func:`_to_4d` folds q's)."""
     target = (*q.shape[:-1], kv_len)
     full = mask.reshape((1,) * (len(target) - mask.dim()) + tuple(mask.shape))
     lead = full.shape[:-3]

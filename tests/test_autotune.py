@@ -25,8 +25,12 @@ import qattn_compile  # noqa: E402
 from qattn_compile import _compat  # noqa: E402
 from qattn_compile.debug.table import kernel_variant  # noqa: E402
 from qattn_compile.dynamo_backend import QattnBackend  # noqa: E402
-from qattn_compile.kernels import autotune, kernel_attention, prepare_attention  # noqa: E402
-from qattn_compile.kernels.heuristics import AttentionConfig, attention_candidates  # noqa: E402
+from qattn_compile.kernels import autotune, heuristics, kernel_attention, prepare_attention  # noqa: E402
+from qattn_compile.kernels.heuristics import (  # noqa: E402
+    AttentionConfig,
+    attention_candidates,
+    attention_config,
+)
 from qattn_compile.presets import resolve_options  # noqa: E402
 from qattn_compile.reference import exact_attention, reference_attention  # noqa: E402
 
@@ -106,32 +110,55 @@ def test_without_autotune_the_table_decides(monkeypatch):
     assert not autotune.cache_path().exists()
 
 
-def _key(preset="int_flash", options=None, lq=45, lkv=45, causal=False, mask=None):
+def _key(preset="int_flash", options=None, lq=45, lkv=45, causal=False, mask=None,
+         heads_inside_tokens=False, scale=None):
     opts = resolve_options(preset, options)
-    shape_q, shape_kv = (1, 2, lq, 64), (1, 2, lkv, 64)
-    return autotune.TuneKey.of(preset, opts, shape_q, shape_kv, shape_kv, torch.float16, mask, causal)
+    shapes = [(2, 2, lq, 64), (2, 2, lkv, 64), (2, 2, lkv, 64)]
+    if heads_inside_tokens:  # [B, L, H, D] buffers viewed as [B, H, L, D]
+        strides = [(n * 128, 64, 128, 1) for n in (lq, lkv, lkv)]
+    else:
+        strides = [(n * 128, n * 64, 64, 1) for n in (lq, lkv, lkv)]
+    return autotune.TuneKey.of(preset, opts, shapes, strides, torch.float16, mask, causal, scale)
 
 
 def test_key_buckets_lengths_and_separates_what_matters():
     assert _key(lq=45, lkv=45) == _key(lq=50, lkv=64)  # same power-of-two buckets
     assert _key(options={"autotune": True}) == _key()  # the switch itself is not part of it
+    assert _key(scale=0.3) == _key()  # only the scale's sign specialises the kernel
+    # fmha_int8's per-site calibration does not change the fastest tile
+    calibrated = [
+        _key("fmha_int8", {"scales": "static", "calibration": path,
+                           "static_scales": {"q": alpha, "k": 1.0, "v": 1.0}})
+        for path, alpha in [("cal.json", 1.0), ("/abs/cal.json", 1.5)]
+    ]
+    assert calibrated[0] == calibrated[1]
     distinct = {
         _key(), _key(lq=100), _key(lkv=100), _key(causal=True), _key("fmha_int8"),
         _key(options={"p_scale": "row"}), _key(mask=torch.ones(1, dtype=torch.bool)),
-        _key(mask=torch.zeros(1)),
+        _key(mask=torch.zeros(1)), _key(heads_inside_tokens=True), _key(scale=-0.3),
     }
-    assert len(distinct) == 8
+    assert len(distinct) == 10
+    assert _key().layout == "0123/0123/0123"
+    assert _key(heads_inside_tokens=True).layout == "0213/0213/0213"
     env = json.loads(_key().text(CPU))
     assert {"gpu", "torch", "triton", "kernel"} <= set(env)
 
 
-def test_candidates_meet_the_constraints():
-    for per_block_v, smooth_q in [(False, False), (True, False), (False, True)]:
-        found = attention_candidates("int_flash", 64, CPU, per_block_v=per_block_v, smooth_q=smooth_q)
-        assert len(found) == len(set(found))
-        for cfg in found:
-            assert not per_block_v or 64 % cfg.block_n == 0
-            assert not smooth_q or 128 % cfg.block_m == 0
+@pytest.mark.parametrize("arch", ["sm90", "sm80", "interp"])
+def test_candidates_meet_the_constraints(monkeypatch, arch):
+    """Every arch's candidates, shrunk to the constraints that apply, pass the checks
+    attention_config makes of an override (the one statement of those constraints)."""
+    monkeypatch.setattr(heuristics, "arch_of", lambda device: arch)
+    for dim in (32, 64, 128, 256):
+        for per_block_v, smooth_q in [(False, False), (True, False), (False, True), (True, True)]:
+            found = attention_candidates("int_flash", dim, CPU, per_block_v=per_block_v,
+                                         smooth_q=smooth_q)
+            assert len(found) == len(set(found))
+            for cfg in found:
+                assert attention_config("int_flash", dim, CPU, per_block_v=per_block_v,
+                                        smooth_q=smooth_q, override=cfg) == cfg
+                assert not per_block_v or 64 % cfg.block_n == 0
+                assert not smooth_q or (128 % cfg.block_m == 0 and cfg.block_n <= 256)
 
 
 def _tune(measure, candidates=(AttentionConfig(32, 32, 4, 1), AttentionConfig(64, 32, 4, 1))):
@@ -212,8 +239,6 @@ def test_random_inputs_keep_the_memory_order_of_the_call():
 def test_native_pv_sage2_takes_its_own_h100_tile(monkeypatch):
     """sage2_8b with ``pv: fp16`` runs its P·V on 16-bit operands; on the H100 the table gives
     it the tile measured for that (128×64), not the FP8-P·V preset's (64×128)."""
-    from qattn_compile.kernels import heuristics
-
     monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
     q, k, v = (torch.randn(1, 2, 40, 128, dtype=torch.float16) for _ in range(3))
     plans = {pv: prepare_attention(q, k, v, preset="sage2_8b", options={"pv": pv}).cfg
@@ -232,8 +257,6 @@ def test_short_key_lengths_take_their_measured_h100_tiles(monkeypatch):
     (sage2_8b and fp8 at D=128: 64×64; sage2_8b at D=64 up to 1K keys: 64×64 pointer loads),
     beyond it the long-sequence tile; int_flash has no short entry, and the autotuner's
     first candidate is the same entry."""
-    from qattn_compile.kernels import heuristics
-
     monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
     long_tile, square = AttentionConfig(64, 128, 4, 3, tma=True), AttentionConfig(64, 64, 4, 3, tma=True)
     cases = [("sage2_8b", 128, 4096, square), ("sage2_8b", 128, 4097, long_tile),
@@ -253,7 +276,7 @@ def test_unmasked_calls_take_their_measured_h100_tile(monkeypatch):
     SM), with a causal flag or a tensor mask the table's three; short key lengths keep their
     own tile, other presets are unaffected. The launcher decides ``unmasked`` from the call,
     and the autotuner's first candidate is the same entry."""
-    from qattn_compile.kernels import heuristics, launch
+    from qattn_compile.kernels import launch
 
     monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
     long_tile = AttentionConfig(64, 128, 4, 3, tma=True)

@@ -73,12 +73,18 @@ def test_gqa_needs_enable_gqa_and_divisible_heads():
     q, k, v = _qkv(hq=5, hkv=2)
     with pytest.raises(ValueError, match="must divide"):
         qattn_compile.attention(q, k, v, enable_gqa=True, preset="int_flash")
+    q, k, v = _qkv(hq=4, hkv=0)
+    with pytest.raises(ValueError, match="must divide"):
+        qattn_compile.attention(q, k, v, enable_gqa=True, preset="int_flash")
 
 
 def test_bad_mask_and_dropout():
     q, k, v = _qkv(hkv=4)
     with pytest.raises(ValueError, match="not broadcastable"):
         qattn_compile.attention(q, k, v, attn_mask=torch.ones(7, 23, dtype=torch.bool), preset="flash")
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(1, 2, 4, 19, 23\) has more dims"):
+        qattn_compile.attention(q, k, v, attn_mask=torch.ones(1, 2, 4, 19, 23, dtype=torch.bool),
+                                preset="flash")
     with pytest.raises(ValueError, match="attn_mask dtype"):
         qattn_compile.attention(q, k, v, attn_mask=torch.ones(19, 23, dtype=torch.int32), preset="flash")
     with pytest.raises(ValueError, match="dropout_p must be 0"):

@@ -451,6 +451,13 @@ def test_tile_summary_codes():
     assert plan.counts.shape == (2, 4, 2) and plan.counts.stride()[:2] == (0, 0)
     assert plan.counts[0, 0].tolist() == [1, 2]  # tile (0, 1) masked; (1, 2) above diagonal
     assert plan.tiles[0, 0, 0, :1].tolist() == [0] and plan.tiles[0, 0, 1, :2].tolist() == [0, 1]
+    # A mask broadcast along the keys: its one code per query tile holds for every key tile.
+    rows = torch.ones(40, 1, dtype=torch.bool)
+    rows[35:] = False  # query tile 1 mixed (rows 32-34 visible), query tile 0 full
+    plan = plan_mask(rows, (1, 2, 40, 70), 32, 32)
+    assert plan.counts[0, 0].tolist() == [3, 3]
+    assert plan.tiles[0, 0].tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert plan.summary[0, 0].tolist() == [[TILE_FULL] * 3, [TILE_MIXED] * 3]
 
 
 # ------------------------------------------------------------------------------------------
@@ -497,6 +504,12 @@ def test_presets_additive_mask_and_causal(preset):
     padding = torch.zeros(1, 1, 1, 50)
     padding[..., 41:] = -float("inf")  # [B, 1, 1, Lkv] padding mask, broadcast everywhere
     check_against_reference(q, k, v, preset, attn_mask=padding)
+    q, k, v = make_qkv(lq=40, lkv=100, d=32)
+    per_query = torch.zeros(40, 1)  # [Lq, 1]: broadcast along the keys (every key tile)
+    per_query[5] = -float("inf")
+    per_query[20:] = -2.0
+    out, _, _ = check_against_reference(q, k, v, preset, attn_mask=per_query)
+    assert torch.equal(out[0, :, 5], torch.zeros_like(out[0, :, 5]))
 
 
 @pytest.mark.parametrize(
@@ -672,3 +685,26 @@ def test_supports_reasons():
     assert "no kernel" in supports(shape, shape, shape, torch.float16, cpu, "none", None)
     static = {"scales": "static", "calibration": "x.json"}
     assert "static" in supports(shape, shape, shape, torch.float16, cpu, "fmha_int8", static)
+    assert "head dim 0" in supports((1, 2, 16, 0), (1, 2, 16, 0), shape, torch.float16, cpu,
+                                    "flash", None)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda q, k, v, m: (q, k.float(), v, m), "k is torch.float32"),
+        (lambda q, k, v, m: (q, k, v.float(), m), "v is torch.float32"),
+        (lambda q, k, v, m: (q, k, v, m.to(torch.int32)), "attn_mask of dtype torch.int32"),
+        (lambda q, k, v, m: (q, k, v, m.to(torch.uint8)), "attn_mask of dtype torch.uint8"),
+        (lambda q, k, v, m: (q[0], k, v, m), "4-D"),
+        # empty lengths are checked like any other call, not answered with zeros
+        (lambda q, k, v, m: (q[:, :, :0], k[:, :2], v[:, :2], None), "multiple of key/value heads"),
+        (lambda q, k, v, m: (q[:, :, :0], k[..., :16], v, None), "key head dim 16"),
+    ],
+)
+def test_kernel_attention_bad_inputs_name_the_culprit(change, message):
+    q, k, v = make_qkv(hq=3, hkv=3, lq=8, lkv=8, d=32)
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    q, k, v, mask = change(q, k, v, mask)
+    with pytest.raises(ValueError, match=message):
+        kernel_attention(q, k, v, attn_mask=mask, preset="flash")

@@ -69,13 +69,27 @@ def _bucket(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+_NOT_KEYED = ("autotune", "calibration", "static_scales")
+"""Preset options left out of :attr:`TuneKey.options`."""
+
+
+def _memory_order(shape: Sequence[int], stride: Sequence[int]) -> str:
+    """The dims of a ``[B, H, L, D]`` tensor from the outermost in memory to the innermost,
+    size-1 dims left out (their stride says nothing): ``"0123"`` contiguous, ``"0213"`` a
+    ``[B, L, H, D]`` buffer viewed with heads first."""
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    return "".join(str(d) for d in sorted(dims, key=lambda d: (-stride[d], d)))
+
+
 @dataclass(frozen=True)
 class TuneKey:
     """What the fastest tile depends on: one tuning per distinct key."""
 
     preset: str
     options: str
-    """The preset's options as JSON, without ``autotune``."""
+    """The preset's options as JSON, without those that cannot change the fastest tile:
+    ``autotune`` itself and fmha_int8's per-site calibration (``calibration``,
+    ``static_scales``)."""
     dtype: str
     batch: int
     heads_q: int
@@ -87,16 +101,27 @@ class TuneKey:
     causal: bool
     mask: str
     """``none``, ``bool`` or ``additive``."""
+    layout: str
+    """q, k, v's memory orders (:func:`_memory_order`): the candidates are timed on it and
+    TMA depends on it."""
+    positive_scale: bool
+    """The softmax scale is positive (a kernel specialisation)."""
 
     @classmethod
-    def of(cls, preset: str, options, q_shape, k_shape, v_shape, dtype: torch.dtype,
-           attn_mask: Tensor | None, is_causal: bool) -> "TuneKey":
-        """The key of a call: shapes ``[B, H, L, D]`` as size hints (ints), bucketed."""
-        options = options.model_copy(update={"autotune": False}).to_json()
+    def of(cls, preset: str, options, shapes, strides, dtype: torch.dtype,
+           attn_mask: Tensor | None, is_causal: bool, scale: float | None) -> "TuneKey":
+        """The key of a call: ``shapes`` and ``strides`` of q, k, v (``[B, H, L, D]``, size
+        hints as ints; lengths and batch bucketed), ``scale`` the softmax scale (None:
+        ``1/sqrt(D)``)."""
+        settings = json.loads(options.to_json())
+        for name in _NOT_KEYED:
+            settings.pop(name, None)
         mask = "none" if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
-        (b, hq, lq, d), (_, hkv, lkv, _), dv = q_shape, k_shape, v_shape[-1]
-        return cls(preset, options, str(dtype).removeprefix("torch."), _bucket(b), hq, hkv,
-                   _bucket(lq), _bucket(lkv), d, dv, bool(is_causal), mask)
+        (b, hq, lq, d), (_, hkv, lkv, _), (*_, dv) = shapes
+        layout = "/".join(_memory_order(shape, stride) for shape, stride in zip(shapes, strides))
+        return cls(preset, json.dumps(settings, sort_keys=True), str(dtype).removeprefix("torch."),
+                   _bucket(b), hq, hkv, _bucket(lq), _bucket(lkv), d, dv, bool(is_causal), mask,
+                   layout, scale is None or scale > 0)
 
     def text(self, device: torch.device) -> str:
         """The cache entry's name: this key plus the environment of ``device``."""

@@ -16,8 +16,9 @@ Constraints the launchers rely on (checked by :func:`attention_config`):
   one Q-smoothing mean, so ΔS is one row per tile), and with ΔS ``block_n`` is at most twice
   it (a causal call's ΔS leaves unwritten the keys no such tile reaches,
   :func:`~.quantize.delta_s`);
-- ``block_n`` is a multiple of :data:`V_COLSUM_TOKENS` (fmha_int8's launcher adds that many
-  tokens' V̂ sums up per key tile).
+- ``block_n`` is a multiple of :data:`~qattn_compile.blocks.V_KEY_BLOCK` (the 8-bit V's
+  token permutation, which the kernel undoes per key tile) and of :data:`V_COLSUM_TOKENS`
+  (fmha_int8's launcher adds that many tokens' V̂ sums up per key tile).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..blocks import QUANT_BLOCK_KV, SMOOTH_Q_BLOCK
+from ..blocks import QUANT_BLOCK_KV, SMOOTH_Q_BLOCK, V_KEY_BLOCK
 
 
 V_COLSUM_TOKENS = 32
@@ -276,8 +277,9 @@ def attention_config(
         table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv, keys,
                               unmasked)
         cfg = _constrained(table, per_block_v, smooth_q)
-    if cfg.block_n % V_COLSUM_TOKENS:
-        raise ValueError(f"block_n={cfg.block_n} must be a multiple of {V_COLSUM_TOKENS}")
+    for unit in sorted({V_KEY_BLOCK, V_COLSUM_TOKENS}):
+        if cfg.block_n % unit:
+            raise ValueError(f"block_n={cfg.block_n} must be a multiple of {unit}")
     if per_block_v and QUANT_BLOCK_KV % cfg.block_n:
         raise ValueError(f"block_n={cfg.block_n} must divide QUANT_BLOCK_KV={QUANT_BLOCK_KV}")
     if smooth_q and SMOOTH_Q_BLOCK % cfg.block_m:

@@ -366,6 +366,8 @@ def _unsupported(q_shape, k_shape, v_shape, dtype, device: torch.device, preset:
     d, dv = q_shape[-1], v_shape[-1]
     if k_shape[-1] != d:
         return f"query head dim {d} != key head dim {k_shape[-1]}"
+    if min(d, dv) < 1:
+        return f"head dim 0 (q {tuple(q_shape)}, v {tuple(v_shape)})"
     if max(d, dv) > MAX_HEAD_DIM:
         return f"head dim {max(d, dv)} > {MAX_HEAD_DIM}"
     if q_shape[0] != k_shape[0] or tuple(k_shape[:3]) != tuple(v_shape[:3]):
@@ -436,6 +438,27 @@ def _resolve(
     return opts, resolve_static_scales(preset, opts, static_scales, device)
 
 
+def _check_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, preset: str) -> None:
+    """Raise ``ValueError`` naming the culprit when the kernels cannot run this call: the
+    shapes, dtype, device and arch of :func:`_unsupported`, plus what only the tensors tell
+    (k and v in q's dtype and on q's device; a bool or floating-point mask on q's device)."""
+    reason = _unsupported(q.shape, k.shape, v.shape, q.dtype, q.device, preset)
+    if reason is None:
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != q.dtype or t.device != q.device:
+                reason = (f"{name} is {t.dtype} on {t.device}, q {q.dtype} on {q.device} "
+                          "(q, k, v must share dtype and device)")
+                break
+    if reason is None and attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            reason = (f"attn_mask of dtype {attn_mask.dtype} (bool keep-masks or additive "
+                      "floating-point masks only)")
+        elif attn_mask.device != q.device:
+            reason = f"attn_mask is on {attn_mask.device}, q on {q.device}"
+    if reason is not None:
+        raise ValueError(f"qattn kernels cannot run preset {preset!r}: {reason}")
+
+
 def prepare_attention(
     q: Tensor,
     k: Tensor,
@@ -455,9 +478,7 @@ def prepare_attention(
     from the table of :mod:`.heuristics`; mask summary from :mod:`.mask`).
     Arguments as :func:`kernel_attention`; ``Lq`` and ``Lkv`` must be positive."""
     opts, static = _resolve(preset, options, static_scales, q.device)
-    reason = _unsupported(q.shape, k.shape, v.shape, q.dtype, q.device, preset)
-    if reason is not None:
-        raise ValueError(f"qattn kernels cannot run preset {preset!r}: {reason}")
+    _check_call(q, k, v, attn_mask, preset)
     bsz, hq, lq, dim = q.shape
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     tau = 1.0 / math.sqrt(dim) if scale is None else float(scale)
@@ -502,7 +523,7 @@ def _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale
         logger.warning("qattn autotune: %s has a data-dependent size (q %s); using the table's tiles",
                        preset, tuple(q.shape))
         return None
-    key = autotune.TuneKey.of(preset, opts, *shapes, q.dtype, attn_mask, is_causal)
+    key = autotune.TuneKey.of(preset, opts, shapes, strides, q.dtype, attn_mask, is_causal, scale)
 
     def make_inputs():
         q_, k_, v_ = (autotune.random_like_layout(shape, stride, q.dtype, q.device)
@@ -545,6 +566,7 @@ def kernel_attention(
     each token (:func:`qattn_compile.ops.output_buffer`); False: always contiguous.
     """
     opts, static = _resolve(preset, options, static_scales, q.device)
+    _check_call(q, k, v, attn_mask, preset)
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros((*q.shape[:3], v.shape[-1]))
     call = prepare_attention(q, k, v, attn_mask, is_causal, scale, preset, opts,

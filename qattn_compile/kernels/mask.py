@@ -136,7 +136,10 @@ def plan_mask(
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {tuple(shape)}"
         ) from exc
     n_m, n_n = -(-lq // block_m), -(-lkv // block_n)
+    # A mask broadcast along the keys ([..., 1]) summarises to one code per query tile,
+    # which every key tile shares: expanded before the live lists are built from it.
     codes = tile_summary(mask4, block_m, block_n)
+    codes = codes.expand(*codes.shape[:3], n_n)
     if is_causal:
         visible = _causal_tiles(n_m, n_n, block_m, block_n, codes.device)
         codes = torch.where(visible, codes.expand(*codes.shape[:2], n_m, n_n), TILE_SKIP)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..blocks import SMOOTH_Q_BLOCK, V_KEY_BLOCK
 from ..lowering import quantize as lowered
-from ..reference.quant import AMAX_MIN, FP8_E4M3_MAX
+from ..reference.quant import AMAX_MIN, FP8_E4M3_MAX, ieee_div, num_groups
 from ..reference.quant import INT_QMAX as REF_INT_QMAX
 from .heuristics import padded_dim, quant_config
 from .primitives import (
@@ -385,11 +385,6 @@ def _delta_s_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _num_groups(length: int, group: int) -> int:
-    """Token groups of ``group`` covering ``length`` tokens (at least 1)."""
-    return max(triton.cdiv(length, group), 1)
-
-
 def _stats_chunk(heads: int, length: int, group: int) -> int:
     """Tokens per program of :func:`_token_stats_kernel` for ``heads`` (batch × heads) of
     ``length`` tokens in groups of ``group``: the longest of :data:`_STATS_CHUNKS` that still
@@ -398,17 +393,11 @@ def _stats_chunk(heads: int, length: int, group: int) -> int:
     reductions, three stores) over more loads; too few programs leave SMs idle. On the H100
     this took the pass from 292 to 231 µs at [4, 32, 16K, 128] and from 42 to 34 µs at
     [1, 8, 32K, 64] (benchmarks/RESULTS.md, session 14)."""
-    n_groups = _num_groups(length, group)
+    n_groups = num_groups(length, group)
     for chunk in _STATS_CHUNKS:
         if n_groups * triton.cdiv(max(group, 1), chunk) * heads >= _MIN_PROGRAMS:
             break
     return min(chunk, triton.next_power_of_2(max(group, 1)))
-
-
-def true_div(x: Tensor, divisor: float) -> Tensor:
-    """``x / divisor`` with IEEE float32 division on every device (``tensor / python
-    scalar`` on CUDA multiplies by the rounded reciprocal, which differs in the last bit)."""
-    return torch.div(x, torch.full_like(x, divisor))
 
 
 def token_stats(
@@ -424,7 +413,7 @@ def token_stats(
     ``x - mean`` when ``center``) clamped below to ``AMAX_MIN``, or None without ``qmax``.
     """
     bsz, heads, length, dim = x.shape
-    n_groups = _num_groups(length, group)
+    n_groups = num_groups(length, group)
     cfg = quant_config(dim, x.device)
     chunk = _stats_chunk(bsz * heads, length, group)
     chunks_per_group = triton.cdiv(max(group, 1), chunk)
@@ -493,7 +482,7 @@ def _launch_quantize(
     min_tokens = max(group if in_tile else 1, colsum_chunk, mean_group if mean_in_tile else 1)
     cfg = quant_config(dim, x.device, min_tokens)
     block_t = cfg.block_t
-    n_groups = _num_groups(length, group)
+    n_groups = num_groups(length, group)
 
     # Operands the kernel does not touch get one-element stand-ins of their own (one tensor
     # passed as several arguments is copied apart under torch.compile).
@@ -549,14 +538,14 @@ def _group_scale(
     """Per-group quantization scale ``amax / qmax`` (float32 ``[B, H, n_groups]``) for groups
     too large for one tile, or from a given (static, calibrated) ``amax``."""
     bsz, heads, length, _ = x.shape
-    n_groups = _num_groups(length, group)
+    n_groups = num_groups(length, group)
     if amax is None:
         if mean is not None:
             raise NotImplementedError("large-group quantization of a smoothed tensor")
         return token_stats(x, group, center=False, per_channel=False, qmax=qmax)[1]
     amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     amax_t = amax_t.clamp_min(AMAX_MIN).broadcast_to((bsz, heads, n_groups)).contiguous()
-    return true_div(amax_t, qmax)
+    return ieee_div(amax_t, qmax)
 
 
 def quantize_int(
@@ -628,7 +617,7 @@ def quantize_int_smoothed(
                          f"mean_group={mean_group}")
     bsz, heads, length, dim = x.shape
     data, view, out_fmt = _alloc_int(x, num_bits, False)
-    mean = torch.empty((bsz, heads, _num_groups(length, mean_group), dim), device=x.device,
+    mean = torch.empty((bsz, heads, num_groups(length, mean_group), dim), device=x.device,
                        dtype=torch.float32)
     scale = _launch_quantize(
         x, view, _value_strides(view, False), qmax=INT_QMAX[num_bits], out_fmt=out_fmt,

@@ -45,7 +45,7 @@ large enough that ``AMAX_MIN / 448`` is still a normal float32 (kernels that flu
 subnormals agree)."""
 
 
-def _ieee_div(numerator: Tensor, denominator: float) -> Tensor:
+def ieee_div(numerator: Tensor, denominator: float) -> Tensor:
     """``numerator / denominator`` as a true IEEE division on every device.
 
     CUDA turns division by a Python number into a multiply by its rounded reciprocal,
@@ -89,14 +89,6 @@ def _grouped(x: Tensor, group: int) -> Tensor:
     return x.reshape(*x.shape[:-2], padded // group, group, x.shape[-1])
 
 
-def group_amax(x: Tensor, group: int) -> Tensor:
-    """Max |x| of every token group, clamped to :data:`AMAX_MIN`.
-
-    x: ``[B, H, L, D]`` (any float dtype). Returns float32 ``[B, H, n_groups]``.
-    """
-    return _amax_of_groups(_grouped(x.float(), group))
-
-
 def _amax_of_groups(grouped: Tensor) -> Tensor:
     """Max |x| of each group of ``grouped`` ``[B, H, n_groups, group, D]``, clamped."""
     return grouped.abs().amax(dim=(-2, -1)).clamp_min(AMAX_MIN)
@@ -138,7 +130,7 @@ def quantize_int(
     # One padded, grouped view feeds both the amax and the division: under torch.compile
     # (qattn_compile.lowering) Inductor then fuses the producer of x (RoPE) into both.
     grouped = _grouped(x.float(), group)
-    scale = _ieee_div(_amax_or_given(grouped, amax), qmax)
+    scale = ieee_div(_amax_or_given(grouped, amax), qmax)
     q = torch.round(grouped / scale[..., None, None]).clamp_(-qmax, qmax)
     return q.reshape(*x.shape[:-2], -1, x.shape[-1])[..., : x.shape[-2], :].to(torch.int8), scale
 
@@ -185,7 +177,7 @@ def quantize_fp8(
     x: ``[B, H, L, D]``. Returns ``(q, scale)``: ``q`` float8_e4m3fn ``[B, H, L, D]``,
     ``scale`` float32 ``[B, H, n_groups]`` = amax / 448; ``x ≈ q * scale``.
     """
-    scale = _ieee_div(_amax_or_given(_grouped(x.float(), group), amax), FP8_E4M3_MAX)
+    scale = ieee_div(_amax_or_given(_grouped(x.float(), group), amax), FP8_E4M3_MAX)
     per_token = expand_scales(scale, group, x.shape[-2])
     return to_fp8_e4m3(x.float() / per_token), scale
 
@@ -198,7 +190,7 @@ def quantize_fp8_per_channel(x: Tensor) -> tuple[Tensor, Tensor]:
     ``[B, H, D]``; ``x ≈ q * scale[..., None, :]``.
     """
     amax = x.float().abs().amax(dim=-2).clamp_min(AMAX_MIN)
-    scale = _ieee_div(amax, FP8_E4M3_MAX)
+    scale = ieee_div(amax, FP8_E4M3_MAX)
     return to_fp8_e4m3(x.float() / scale.unsqueeze(-2)), scale
 
 
