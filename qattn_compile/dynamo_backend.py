@@ -9,6 +9,7 @@ with ``compiler: eager``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,13 @@ class BackendOptions:
         strict = options.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise OptionsError(f"option `strict` must be true or false, got {strict!r}")
-        policy = load_policy(options.get("policy") or DEFAULT_POLICY_PATH)
+        policy = options.get("policy")
+        policy = load_policy(DEFAULT_POLICY_PATH if policy is None else policy)
         if strict is not None:
             policy = policy.with_strict(strict)
         report = options.get("report")
+        if report is not None and not isinstance(report, (str, os.PathLike)):
+            raise OptionsError(f"option `report` must be a file path, got {report!r}")
         autotune = options.get("autotune")
         if autotune is not None and not isinstance(autotune, bool):
             raise OptionsError(f"option `autotune` must be true or false, got {autotune!r}")
@@ -72,7 +76,15 @@ class BackendOptions:
 
 
 class QattnBackend:
-    """A dynamo backend callable that keeps the site reports of every graph it compiled."""
+    """A dynamo backend callable that keeps the site reports of every graph it compiled.
+
+    Rules that matched no site are warned about (an error with ``strict: true``) after each
+    graph while the model has no graph break, i.e. while the graphs seen hold the whole
+    model. Once dynamo splits the model at a graph break, a later graph may still hold a
+    rule's sites: the check is then left to the caller, once the model has run
+    (:meth:`unmatched_rules`, the ``report`` file, ``qattn explain --strict``), and one
+    warning says so.
+    """
 
     def __init__(self, policy: Any = None, *, mode: str | None = None, **options):
         if policy is not None:
@@ -80,6 +92,7 @@ class QattnBackend:
         self.options = BackendOptions.parse(options, mode)
         self.site_reports: list[SiteReport] = []
         self._graphs = 0
+        self._graph_break = False
 
     @property
     def policy(self) -> Policy:
@@ -100,7 +113,7 @@ class QattnBackend:
         emit_site_report(reports, self.unmatched_rules(), self._graphs - 1)
         if self.options.report:
             write_report(self.options.report, self.site_reports, self.unmatched_rules())
-        self.policy.check_unmatched(self.matched_rules())
+        self._check_unmatched(gm)
         if self.options.compiler == "eager":
             return gm.forward
         return _compat.compile_with_inductor(
@@ -108,7 +121,24 @@ class QattnBackend:
         )
 
 
-_backends_by_options: dict[int, tuple[dict | None, QattnBackend]] = {}
+    def _check_unmatched(self, gm) -> None:
+        """The per-graph unmatched-rule check (class docstring)."""
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if not self._graph_break and getattr(reason, "graph_break", False):
+            self._graph_break = True
+            log.warning(
+                "qattn: the model has a graph break (graph %d: %s); rules are no longer "
+                "checked per graph for matching no site%s. Check once the model has run: "
+                "qattn_compile.last_backend().unmatched_rules(), the report file, or `qattn "
+                "explain --strict`", self._graphs - 1, getattr(reason, "reason", "?"),
+                " (strict: true is not enforced)" if self.policy.strict else "")
+        if not self._graph_break:
+            self.policy.check_unmatched(self.matched_rules())
+
+
+_backends: dict[tuple[int, str | None], tuple[dict | None, QattnBackend]] = {}
+"""Backends by ``(id(options), mode)``; each entry keeps its options dict alive, so the id
+cannot be reused by another dict."""
 _last: list[QattnBackend] = []
 
 
@@ -116,14 +146,14 @@ def qattn_backend(gm, example_inputs, options: dict | None = None, mode: str | N
     """Entry point registered as dynamo backend ``qattn``.
 
     ``torch.compile`` passes the same ``options`` dict object for every graph of one compiled
-    model, so the backend instance (and its report) is shared across graph breaks.
+    model, so the backend instance (and its report) is shared across graph breaks. Compiles
+    without options (``torch.compile`` passes None, also whenever ``mode`` is given) share
+    one backend per mode: their site reports accumulate in :func:`last_backend`.
     """
-    key = id(options)
-    entry = _backends_by_options.get(key)
-    if entry is None or entry[0] is not options:
-        entry = (options, QattnBackend(mode=mode, **dict(options or {})))
-        _backends_by_options[key] = entry
-    return entry[1](gm, example_inputs)
+    key = (id(options), mode)
+    if key not in _backends:
+        _backends[key] = (options, QattnBackend(mode=mode, **dict(options or {})))
+    return _backends[key][1](gm, example_inputs)
 
 
 def backend(policy: Any = None, **options) -> QattnBackend:

@@ -158,8 +158,11 @@ def unsupported_reason(
         return f"query head dim {q_shape[-1]} != key head dim {k_shape[-1]}"
     if q_shape[-3] % k_shape[-3]:
         return f"query heads {q_shape[-3]} not a multiple of key/value heads {k_shape[-3]}"
+    if tuple(q_shape[:-3]) != tuple(k_shape[:-3]) or tuple(k_shape[:-1]) != tuple(v_shape[:-1]):
+        return (f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)} differ in batch "
+                "dims or k/v in heads or length (broadcast batches are not served)")
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        return f"dtype {dtype} (supported: float16, bfloat16, float32)"
+        return f"dtype {dtype} (supported: float16, bfloat16, float32; float64 off CUDA)"
     if execution_path(device) == "triton":
         from .kernels import supports
 

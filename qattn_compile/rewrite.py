@@ -223,11 +223,14 @@ def rewrite_attention(
         if autotune is not None and isinstance(decision.options, KernelOptions):
             options = decision.options.model_copy(update={"autotune": autotune})
             decision = dataclasses.replace(decision, options=options)
+        # The site's own options (static fmha_int8's calibrated α) before the support check,
+        # which needs them.
+        options = options_for_site(decision.preset, decision.options, site.fqn, policy.source)
+        decision = dataclasses.replace(decision, options=options)
         report = _decide(site, decision, policy, graph_index)
         reports.append(report)
         if report.status == REWRITTEN:
-            options = options_for_site(decision.preset, decision.options, site.fqn, policy.source)
-            chosen.append((site, dataclasses.replace(decision, options=options), report))
+            chosen.append((site, decision, report))
     for site, decision, report in reversed(chosen):
         _replace(gm, site, decision, report)
     gm.graph.lint()

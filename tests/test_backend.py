@@ -58,6 +58,7 @@ def test_backend_registered_via_entry_point_without_import():
         ({"polcy": "x.yaml"}, r"unknown qattn backend option\(s\) \['polcy'\].*policy"),
         ({"compiler": "tvm"}, "allowed: inductor, eager"),
         ({"strict": "yes"}, "`strict` must be true or false"),
+        ({"report": 5}, "`report` must be a file path"),
     ],
 )
 def test_bad_options_are_clear_errors(options, message):
@@ -137,8 +138,10 @@ def test_unsupported_site_falls_back_with_reason():
 def test_unsupported_site_with_on_unsupported_error_raises():
     policy = {"qattn": 1, "default": "int_flash", "on_unsupported": "error"}
     be = qattn_compile.backend(policy, compiler="eager")
-    with pytest.raises(Exception, match=r"attention site attn .*dropout_p=0.1.*on_unsupported: error"):
+    with pytest.raises(Exception, match=r"attention site attn .*dropout_p=0.1.*on_unsupported: error") as info:
         torch.compile(Wrapper(), backend=be)(torch.randn(1, 2, 8, 16))
+    # dynamo wraps every backend error; the README tells users where qattn's is
+    assert isinstance(info.value.inner_exception, qattn_compile.UnsupportedSiteError)
 
 
 def test_strict_option_makes_unmatched_rule_an_error():
@@ -147,6 +150,52 @@ def test_strict_option_makes_unmatched_rule_an_error():
     bundle = tiny_llama()
     with pytest.raises(Exception, match=r"\*self_atn"):
         bundle.run(torch.compile(bundle.model, backend=be))
+
+
+class Attention(nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+class TwoGraphs(nn.Module):
+    """Two attention sites that dynamo puts in two graphs (a graph break between them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a1, self.a2 = Attention(), Attention()
+
+    def forward(self, q):
+        q = self.a1(q)
+        torch._dynamo.graph_break()
+        return self.a2(q)
+
+
+def test_strict_waits_for_the_later_graphs_of_a_graph_break(caplog):
+    """With a graph break, a rule whose sites are in the second graph is not reported as
+    unmatched after the first; the check is left to unmatched_rules() once the model ran."""
+    policy = {"qattn": 1, "default": "none", "strict": True,
+              "rules": [{"match": "a2", "preset": "flash"}, {"match": "a3", "preset": "flash"}]}
+    be = qattn_compile.backend(policy, compiler="eager")
+    torch.compile(TwoGraphs(), backend=be)(torch.randn(1, 2, 8, 16))
+    assert [(r.fqn, r.status) for r in be.site_reports] == [("a1", LEFT_ALONE), ("a2", REWRITTEN)]
+    assert [line.split(" (")[0] for line in be.unmatched_rules()] == ["rule 1"]
+    assert "graph break" in caplog.text and "strict: true is not enforced" in caplog.text
+
+
+def test_compiles_without_options_share_a_backend_per_mode():
+    q = torch.randn(1, 2, 8, 16)
+    torch.compile(Attention(), backend="qattn")(q)
+    plain = qattn_compile.last_backend()
+    torch.compile(Attention(), backend="qattn", mode="max-autotune-no-cudagraphs")(q)
+    tuned = qattn_compile.last_backend()
+    assert tuned is not plain and tuned.options.mode == "max-autotune-no-cudagraphs"
+    assert tuned.options.autotune is True and plain.options.autotune is None
+
+
+@pytest.mark.parametrize("policy", ["", {}])
+def test_an_empty_policy_is_an_error_not_the_default(policy):
+    with pytest.raises(qattn_compile.PolicyError):
+        qattn_compile.backend(policy=policy)
 
 
 @pytest.mark.slow

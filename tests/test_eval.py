@@ -13,7 +13,8 @@ import zlib
 import pytest
 import torch
 
-from qattn_compile import _compat
+import qattn_compile
+from qattn_compile import _compat, ops
 from qattn_compile.errors import PolicyError, QattnError
 from qattn_compile.evaluation import (
     Evaluator,
@@ -180,6 +181,25 @@ def test_static_policy_runs_and_is_compared_with_dynamic(bert_ev, bert_scales, c
     bad = {**policy, "rules": [{**policy["rules"][0], "options": static_options("nope.pt")}]}
     with pytest.raises(PolicyError, match="calibration file not found"):
         bert_ev.run_policy(bad)
+
+
+def test_static_sites_pass_the_kernels_support_check(bert_ev, bert_scales, monkeypatch):
+    """The kernels refuse ``scales: static`` without calibrated α; the rewrite fills each
+    site's α in before that check (on CPU, pretend the Triton path serves)."""
+    path, _ = bert_scales
+    monkeypatch.setattr(ops, "execution_path", lambda device: "triton")
+    monkeypatch.setattr(ops, "graph_op", lambda device: torch.ops.qattn.attention.default)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' check accepts CPU tensors then
+    policy = {"qattn": 1, "default": "none",
+              "rules": [{"match": "*attention.self", "preset": "fmha_int8",
+                         "options": {"scales": "static", "calibration": str(path)}}]}
+    be = qattn_compile.backend(policy=policy, compiler="eager")
+    _compat.reset_dynamo()
+    bundle = bert_ev.inputs.bundle
+    bundle.run(torch.compile(bundle.model, backend=be))
+    assert be.site_reports and all(r.status == "rewritten" for r in be.site_reports), [
+        (r.fqn, r.status, r.reason) for r in be.site_reports]
+    assert all(r.options["static_scales"] is not None for r in be.site_reports)
 
 
 def test_head_priority_formula():

@@ -448,6 +448,17 @@ def test_unsupported_head_dim_is_refused(monkeypatch):
     assert rec.reports[0].status == FALLBACK and "head dim 512" in rec.reports[0].reason
 
 
+def test_broadcast_batch_falls_back():
+    """SDPA broadcasts a batch of 1 in k/v against q's; the op does not: the site keeps the
+    original attention, with the reason, and the output is eager's."""
+    q = torch.randn(2, 2, 8, 16)
+    kv = torch.randn(1, 2, 8, 16)
+    keep = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    expected, got, rec = run_compiled(Sdpa("bool mask [L,L]"), q, kv, kv, keep, None)
+    assert rec.reports[0].status == FALLBACK and "broadcast batches" in rec.reports[0].reason
+    torch.testing.assert_close(got, expected)
+
+
 def test_on_unsupported_error_names_the_site():
     policy = {"qattn": 1, "default": "flash", "on_unsupported": "error"}
     with pytest.raises(Exception, match=r"cannot be served: intermediate .* is also used"):

@@ -30,8 +30,8 @@ from ..reference import quant, smooth
 
 
 def decomposed(x: Tensor) -> bool:
-    """Whether quantizers of ``x`` take their torch form: ``x`` is a tracing subclass (fake or
-    functional tensor, as inside ``torch.compile``)."""
+    """Whether quantizers of ``x`` take their torch form: ``x`` is not a plain tensor, i.e.
+    (in practice) a fake or functional tensor while ``torch.compile`` traces."""
     return type(x) is not torch.Tensor
 
 

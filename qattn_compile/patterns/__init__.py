@@ -10,8 +10,8 @@
 
 from torch import fx
 
-from .chains import chain_site, find_chain_sites
-from .sdpa import find_sdpa_sites, sdpa_site
+from .chains import chain_site
+from .sdpa import sdpa_site
 from .site import AttentionSite
 
 
@@ -28,4 +28,4 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
     return sites
 
 
-__all__ = ["AttentionSite", "find_attention_sites", "find_chain_sites", "find_sdpa_sites"]
+__all__ = ["AttentionSite", "find_attention_sites"]

@@ -5,7 +5,9 @@ Anchored on every softmax, a match walks
 - back from the softmax input to the ``Q·Kᵀ`` product (``torch.matmul``, ``@``, ``bmm``,
   ``Tensor.matmul``) through float casts, scale factors (``mul``/``div`` by a constant or a
   run-time scalar, see :mod:`.scaling`), additive masks (``+ mask``) and ``-inf``-like masks
-  (``masked_fill(m, -inf)``, ``where(m, scores, finfo.min)``), in any order;
+  (``masked_fill(m, -inf)``, ``where(m, scores, finfo.min)``), in any order. A finite fill
+  (≤ −1e4) becomes a keep term like ``-inf``: the one difference is a row whose every key is
+  filled, which the op gives 0 and the original the mean of V;
 - forward from the softmax output through float casts and eval-mode dropout to the ``P·V``
   product, whose output the op replaces.
 
@@ -338,15 +340,10 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
         k_transposed=k_transposed,
         gqa_source=gqa_source,
         mask_kind=masks.mask_kind(mask, False),
-        causal_fast_path=lengths_match and masks.causal_fast_path(mask, False),
+        causal_fast_path=lengths_match and masks.causal_fast_path(mask),
         fqn=fqn,
         module_class=cls,
         source=source_of(pv),
         refusal=refusal,
         chain=chain,
     )
-
-
-def find_chain_sites(gm: fx.GraphModule) -> list[AttentionSite]:
-    """One :class:`AttentionSite` per hand-written attention candidate in ``gm``."""
-    return [site for site in map(chain_site, gm.graph.nodes) if site is not None]

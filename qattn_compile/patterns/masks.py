@@ -368,10 +368,10 @@ def mask_kind(spec: MaskSpec, is_causal: bool) -> str:
     return "+".join(k for k in KIND_ORDER if k in kinds) or "none"
 
 
-def causal_fast_path(spec: MaskSpec, is_causal: bool) -> bool:
-    """Whether every key after its query is provably masked: ``is_causal``, or a proven causal
-    comparison (:func:`proven_causal`) ANDed into a keep term or into the bool mask of an
-    additive term."""
+def causal_fast_path(spec: MaskSpec) -> bool:
+    """Whether the mask provably masks every key after its query: a proven causal comparison
+    (:func:`proven_causal`) ANDed into a keep term or into the bool mask of an additive
+    term."""
     keep = any(_has_causal(t.node) for t in spec.keep if not t.negate)
     additive = any(
         _has_causal(masked[0])
@@ -379,7 +379,7 @@ def causal_fast_path(spec: MaskSpec, is_causal: bool) -> bool:
         for masked in map(_where_mask, _additive_parts(t.node))
         if masked is not None
     )
-    return is_causal or keep or additive
+    return keep or additive
 
 
 def _is_bool_node(node) -> bool:

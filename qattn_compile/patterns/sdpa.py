@@ -109,15 +109,10 @@ def sdpa_site(node: fx.Node) -> AttentionSite | None:
         scale_factors=(factor,) if isinstance(factor, Factor) else (),
         gqa_source=gqa_source,
         mask_kind=masks.mask_kind(mask, is_causal),
-        causal_fast_path=is_causal or (lengths_match and masks.causal_fast_path(mask, False)),
+        causal_fast_path=is_causal or (lengths_match and masks.causal_fast_path(mask)),
         fqn=fqn,
         module_class=cls,
         source=source_of(node),
         refusal=refusal,
         chain=chain,
     )
-
-
-def find_sdpa_sites(gm: fx.GraphModule) -> list[AttentionSite]:
-    """One :class:`AttentionSite` per SDPA call in ``gm``, in graph order."""
-    return [site for site in map(sdpa_site, gm.graph.nodes) if site is not None]

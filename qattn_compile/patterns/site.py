@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from .masks import MaskSpec
-from .nodes import example_value, shape_of
+from .nodes import shape_of
 from .scaling import Factor
 
-__all__ = ["AttentionSite", "clean_fqn", "example_value", "module_of", "source_of"]
+__all__ = ["AttentionSite", "clean_fqn", "module_of", "source_of"]
 
 
 @dataclass
