@@ -19,6 +19,7 @@ _PUBLIC = {
     "PolicyError": "errors",
     "OptionsError": "errors",
     "UnsupportedSiteError": "errors",
+    "ModelSpecError": "errors",
 }
 
 __all__ = sorted(_PUBLIC)

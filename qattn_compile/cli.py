@@ -19,7 +19,8 @@ from .debug.commands import add_subcommands as add_debug_subcommands
 from .errors import QattnError
 from .evaluation.commands import add_subcommands as add_eval_subcommands
 from .metrics import compare
-from .models import MINILM, load_model, minilm_available
+from .debug.specs import load_spec
+from .models import MINILM, minilm_available
 from .presets import PRESET_METHODS, QUANTIZED_PRESETS
 from .progress import step
 from .report import REWRITTEN, format_table
@@ -51,13 +52,13 @@ def _preset_table(bundle, reference, presets) -> str:
 
 
 def cmd_demo(args) -> int:
-    policy = args.policy or str(DEFAULT_POLICY_PATH)
+    policy = str(DEFAULT_POLICY_PATH) if args.policy is None else args.policy
     be = make_backend(policy, compiler=args.compiler)  # validates the policy before any work
     spec = args.model or (MINILM if minilm_available() else "tiny-llama")
     if args.model is None and spec != MINILM:
         print(f"({MINILM} is not installed: using a tiny random Llama instead)")
     with step(f"loading {spec}"):
-        bundle = load_model(spec)
+        bundle = load_spec(spec)
     device, dtype = _device_and_dtype()
     with step("running the uncompiled fp32 model (reference)"):
         bundle.model.to(device)

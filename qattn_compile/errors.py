@@ -15,3 +15,8 @@ class OptionsError(QattnError, ValueError):
 
 class UnsupportedSiteError(QattnError):
     """An attention site cannot be served and the policy says ``on_unsupported: error``."""
+
+
+class ModelSpecError(QattnError, ValueError):
+    """A MODEL_SPEC (the model argument of the ``qattn`` commands) that names nothing
+    loadable, or a ``module:callable`` that does not return ``(model, example_inputs)``."""

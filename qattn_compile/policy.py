@@ -527,8 +527,10 @@ def load_policy(source: Policy | str | os.PathLike[str] | Mapping[str, Any]) -> 
             f"or a Policy"
         )
     if "\n" not in source and source.strip():
-        if _is_file(source):
+        if _path_is(source, "file"):
             return Policy.from_file(source)
+        if _path_is(source, "dir"):
+            raise PolicyError(f"policy path {source} is a directory, not a policy file")
         if source.strip().endswith(_YAML_SUFFIXES) or ":" not in source:
             raise PolicyError(f"policy file not found: {source}")
     return Policy.from_yaml(source)
@@ -558,9 +560,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _is_file(text: str) -> bool:
+def _path_is(text: str, kind: str) -> bool:
+    """Whether ``text`` names an existing file (``kind="file"``) or directory (``"dir"``)."""
     try:
-        return Path(text).expanduser().is_file()
+        path = Path(text).expanduser()
+        return path.is_file() if kind == "file" else path.is_dir()
     except (OSError, ValueError):  # name too long, NUL byte, ...
         return False
 

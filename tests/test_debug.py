@@ -19,6 +19,7 @@ from transformers import AutoModel
 from qattn_compile import _compat
 from qattn_compile.debug import ARTIFACT_NAME, capture_graphs, explain, graph_diff, kernel_variant
 from qattn_compile._compat import structured_trace_logger
+from qattn_compile.cli import main
 from qattn_compile.debug.commands import STRICT_EXIT, add_subcommands
 from qattn_compile.debug.explain import Explanation
 from qattn_compile.debug.specs import ModelSpecError, load_spec, random_inputs, tiny_config
@@ -294,6 +295,24 @@ def test_spec_errors_name_the_accepted_forms():
         load_spec("no-such-model")
     with pytest.raises(ModelSpecError, match="module:callable"):
         load_spec("no_such_module_xyz:fn")
+    with pytest.raises(ModelSpecError, match="zoo model 'llama' takes .*eager.*'flash'"):
+        load_spec("llama:flash")
+
+
+def test_spec_callable_must_return_model_and_inputs(tmp_path, monkeypatch, capsys):
+    (tmp_path / "user_models_xyz.py").write_text(
+        "import torch\n"
+        "def just_model():\n    return torch.nn.Linear(2, 2)\n"
+        "def broken():\n    raise RuntimeError('bug in the user callable')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelSpecError, match=r"just_model\(\) must return \(model, example_inputs\)"):
+        load_spec("user_models_xyz:just_model")
+    with pytest.raises(RuntimeError, match="bug in the user callable"):  # the user's own error
+        load_spec("user_models_xyz:broken")
+    # every command goes through the same loader and reports without a traceback
+    assert main(["demo", "--model", "no-such-model", "--compiler", "eager"]) == 2
+    assert "qattn: error: unknown MODEL_SPEC 'no-such-model'" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- torch logging
@@ -380,8 +399,6 @@ def test_cli_explain_lists_every_zoo_site(name, capsys):
 
 
 def test_cli_model_that_fails_on_its_inputs_is_a_clear_error(capsys):
-    from qattn_compile.cli import main
-
     assert main(["explain", "clip"]) == 2
     err = capsys.readouterr().err
     assert "MODEL_SPEC 'clip' (CLIPModel) failed on its example inputs" in err

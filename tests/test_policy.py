@@ -423,6 +423,9 @@ def test_one_line_text_with_a_colon_is_yaml():
 def test_missing_file(tmp_path, name):
     assert error_of(name) == f"policy file not found: {name}"
     assert error_of(tmp_path / name) == f"policy file not found: {tmp_path / name}"
+    (tmp_path / "conf.yaml").mkdir()
+    assert error_of(str(tmp_path / "conf.yaml")) == (
+        f"policy path {tmp_path / 'conf.yaml'} is a directory, not a policy file")
 
 
 def test_from_dict_rejects_a_non_mapping():

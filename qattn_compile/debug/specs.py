@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import QattnError
+from ..errors import ModelSpecError
 from ..models import BUILTIN, ModelBundle, load_model
 from ..zoo import ATTN_IMPLEMENTATIONS, ZOO
 
@@ -55,23 +55,24 @@ BATCH, SEQ_LEN, PADDED = 2, 16, 3
 """Random inputs: ``BATCH`` sequences of ``SEQ_LEN`` tokens, the first with ``PADDED`` pads."""
 
 
-class ModelSpecError(QattnError, ValueError):
-    """A MODEL_SPEC that names nothing loadable."""
-
-
 def load_spec(spec: str) -> ModelBundle:
     """Build the :class:`~qattn_compile.models.ModelBundle` a MODEL_SPEC names (module docstring)."""
     if spec in BUILTIN:
         return load_model(spec)
     name, _, implementation = spec.partition(":")
-    if name in ZOO and implementation in ("", *ATTN_IMPLEMENTATIONS):
+    if name in ZOO:
+        if implementation not in ("", *ATTN_IMPLEMENTATIONS):
+            raise ModelSpecError(
+                f"MODEL_SPEC {spec!r}: zoo model {name!r} takes an attention implementation "
+                f"of {', '.join(ATTN_IMPLEMENTATIONS)} after the colon, got {implementation!r}"
+            )
         return ZOO[name].build(implementation or "sdpa")
     if Path(spec).exists():
         return bundle_from_config(spec, _config_from_pretrained(spec))
     if spec in _model_types():
         return bundle_from_config(spec, tiny_config(spec))
     if ":" in spec:
-        return _load_callable(spec)
+        return load_model(spec)
     if "/" in spec:
         return bundle_from_config(spec, _config_from_pretrained(spec))
     raise ModelSpecError(
@@ -148,10 +149,3 @@ def _config_from_pretrained(spec: str):
         return AutoConfig.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelSpecError(f"MODEL_SPEC {spec!r}: cannot read a Hugging Face config offline: {exc}") from None
-
-
-def _load_callable(spec: str) -> ModelBundle:
-    try:
-        return load_model(spec)
-    except (ImportError, AttributeError) as exc:
-        raise ModelSpecError(f"MODEL_SPEC {spec!r}: cannot load module:callable: {exc}") from None

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..errors import QattnError
-from ..models import MINILM, ModelBundle, bundled_sentences, load_model
+from ..debug.specs import load_spec
+from ..models import MINILM, ModelBundle, bundled_sentences
 
 RANDOM = "random"
 BUNDLED = "bundled"
@@ -165,7 +166,7 @@ def load_inputs(
         desc = f"{what}, tokenized by the MiniLM tokenizer, {len(batches)} batch(es)"
         return EvalInputs(bundle, batches, source, desc, spec)
 
-    bundle = load_model(spec)
+    bundle = load_spec(spec)
     takes_ids = "input_ids" in bundle.kwargs
     vocab = getattr(getattr(bundle.model, "config", None), "vocab_size", None)
     tokenizer = getattr(bundle, "tokenizer", None)
