@@ -120,7 +120,6 @@ class QattnBackend:
             gm, example_inputs, _compat.inductor_mode_options(self.options.mode)
         )
 
-
     def _check_unmatched(self, gm) -> None:
         """The per-graph unmatched-rule check (class docstring)."""
         reason = getattr(gm, "compile_subgraph_reason", None)

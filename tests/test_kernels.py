@@ -693,7 +693,7 @@ def test_supports_reasons():
     "change,message",
     [
         (lambda q, k, v, m: (q, k.float(), v, m), "k is torch.float32"),
-        (lambda q, k, v, m: (q, k, v.float(), m), "v is torch.float32"),
+        (lambda q, k, v, m: (q, k, v.to("meta"), m), "v is on meta, q on cpu"),
         (lambda q, k, v, m: (q, k, v, m.to(torch.int32)), "attn_mask of dtype torch.int32"),
         (lambda q, k, v, m: (q, k, v, m.to(torch.uint8)), "attn_mask of dtype torch.uint8"),
         (lambda q, k, v, m: (q[0], k, v, m), "4-D"),

@@ -440,15 +440,18 @@ def _resolve(
 
 def _check_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, preset: str) -> None:
     """Raise ``ValueError`` naming the culprit when the kernels cannot run this call: the
-    shapes, dtype, device and arch of :func:`_unsupported`, plus what only the tensors tell
-    (k and v in q's dtype and on q's device; a bool or floating-point mask on q's device)."""
+    shapes, dtype, device and arch of :func:`_unsupported`, plus what only the tensors tell:
+    k and v on q's device, k in q's dtype where Q·Kᵀ is a native dot (``flash``; the
+    quantized presets quantize each operand on its own), a bool or floating-point mask on
+    q's device."""
     reason = _unsupported(q.shape, k.shape, v.shape, q.dtype, q.device, preset)
     if reason is None:
         for name, t in (("k", k), ("v", v)):
-            if t.dtype != q.dtype or t.device != q.device:
-                reason = (f"{name} is {t.dtype} on {t.device}, q {q.dtype} on {q.device} "
-                          "(q, k, v must share dtype and device)")
+            if t.device != q.device:
+                reason = f"{name} is on {t.device}, q on {q.device}"
                 break
+    if reason is None and preset == "flash" and k.dtype != q.dtype:
+        reason = f"k is {k.dtype}, q {q.dtype} (flash's Q·Kᵀ dot needs one dtype)"
     if reason is None and attn_mask is not None:
         if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
             reason = (f"attn_mask of dtype {attn_mask.dtype} (bool keep-masks or additive "
