@@ -300,9 +300,11 @@ def resolve_options(preset: str, options: dict | PresetOptions | None = None) ->
     try:
         return cls(**(options or {}))
     except ValidationError as exc:
+        from .policy import _problem  # the policy's sentences (a top-level import is a cycle)
+
         problems = "; ".join(
-            f"{'field `' + '.'.join(str(p) for p in e['loc']) + '`' if e['loc'] else 'options'}: "
-            f"{e['msg'].removeprefix('Value error, ')}"
+            f"field `{'.'.join(str(p) for p in e['loc'])}`: {_problem(e, cls, str(e['loc'][-1]))}"
+            if e["loc"] else f"options: {_problem(e, cls, '')}"
             for e in exc.errors()
         )
         raise PolicyError(
