@@ -403,3 +403,15 @@ def test_cli_model_that_fails_on_its_inputs_is_a_clear_error(capsys):
     err = capsys.readouterr().err
     assert "MODEL_SPEC 'clip' (CLIPModel) failed on its example inputs" in err
     assert "Traceback" not in err
+
+
+def test_capture_pairs_sites_that_feed_each_other():
+    """Two rewritten sites where the second reads the first's op output directly: each keeps
+    its node after the rewrite (the diff page marks both)."""
+    chained = nn.Sequential(_SelfAttention(), _SelfAttention())
+    capture = capture_graphs(chained, (torch.randn(1, 2, 8, 16),), {"qattn": 1, "default": "flash"})
+    (graph,) = capture.graphs
+    assert [(s.report.fqn, s.report.status) for s in graph.sites] == [("0", REWRITTEN), ("1", REWRITTEN)]
+    assert all(s.node_after is not None for s in graph.sites), graph.sites
+    assert graph.sites[0].node_after != graph.sites[1].node_after
+

@@ -98,14 +98,10 @@ def readable_code(gm: fx.GraphModule) -> str:
 
 
 def _qattn_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes the rewrite created (they carry ``meta["qattn"]`` provenance), in graph order."""
+    """The op nodes the rewrite inserted, one per rewritten site, in graph order: the only
+    nodes that carry ``meta["qattn"]`` provenance (a site's own casts and reshapes do not,
+    and a site may read the previous site's op directly)."""
     return [n for n in gm.graph.nodes if "qattn" in n.meta]
-
-
-def _site_outputs(gm: fx.GraphModule) -> list[fx.Node]:
-    """Per rewritten site, the created node whose value replaced the attention output: the
-    end of its chain of qattn nodes (no other qattn node uses it), in graph order."""
-    return [n for n in _qattn_nodes(gm) if not any("qattn" in user.meta for user in n.users)]
 
 
 def _locate(reports: list[SiteReport], before: list, outputs: list[fx.Node]) -> list[CapturedSite]:
@@ -143,7 +139,7 @@ class CapturingBackend:
         except QattnError as exc:
             self.error = self.error or exc
             return gm.forward
-        sites = _locate(reports, anchors, _site_outputs(gm))
+        sites = _locate(reports, anchors, _qattn_nodes(gm))
         self.capture.graphs.append(CapturedGraph(index, before, readable_code(gm), sites))
         emit_site_report(reports, self.capture.unmatched_rules(), index)
         return gm.forward
