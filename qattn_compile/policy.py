@@ -527,9 +527,9 @@ def load_policy(source: Policy | str | os.PathLike[str] | Mapping[str, Any]) -> 
             f"or a Policy"
         )
     if "\n" not in source and source.strip():
-        if _path_is(source, "file"):
+        if _path_is(source, Path.is_file):
             return Policy.from_file(source)
-        if _path_is(source, "dir"):
+        if _path_is(source, Path.is_dir):
             raise PolicyError(f"policy path {source} is a directory, not a policy file")
         if source.strip().endswith(_YAML_SUFFIXES) or ":" not in source:
             raise PolicyError(f"policy file not found: {source}")
@@ -560,11 +560,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _path_is(text: str, kind: str) -> bool:
-    """Whether ``text`` names an existing file (``kind="file"``) or directory (``"dir"``)."""
+def _path_is(text: str, test: Callable[[Path], bool]) -> bool:
+    """``test`` (``Path.is_file``, ``Path.is_dir``) of the path ``text`` names; False when
+    ``text`` cannot be a path."""
     try:
-        path = Path(text).expanduser()
-        return path.is_file() if kind == "file" else path.is_dir()
+        return test(Path(text).expanduser())
     except (OSError, ValueError):  # name too long, NUL byte, ...
         return False
 

@@ -569,8 +569,8 @@ def kernel_attention(
     each token (:func:`qattn_compile.ops.output_buffer`); False: always contiguous.
     """
     opts, static = _resolve(preset, options, static_scales, q.device)
-    _check_call(q, k, v, attn_mask, preset)
-    if q.shape[2] == 0 or k.shape[2] == 0:
+    if q.numel() == 0 or k.numel() == 0:  # no launch: checked here, then zeros
+        _check_call(q, k, v, attn_mask, preset)
         return q.new_zeros((*q.shape[:3], v.shape[-1]))
     call = prepare_attention(q, k, v, attn_mask, is_causal, scale, preset, opts,
                              static_scales=static, output_like_q=output_like_q)
