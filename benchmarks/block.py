@@ -15,7 +15,11 @@ calls SDPA with ``is_causal``). Modes:
 - ``inductor``: ``torch.compile`` with SDPA's own backend choice;
 - ``qattn:<preset>``: ``backend="qattn"`` with the preset on the site (the quantizers are
   Inductor ops fused with RoPE, the attention kernel inlined); ``--autotune`` adds the
-  same with the ``autotune`` option.
+  same with the ``autotune`` option;
+- ``qattn:fmha_int8:static`` (``--static``): ``fmha_int8`` with ``scales: static``, α
+  calibrated on the block's own input (amax per head of the Q, K, V that the eager block
+  hands SDPA): Q and K quantize pointwise with a constant scale, so Inductor writes RoPE
+  and the rounding in one kernel per operand and no amax pass remains.
 
 Each mode is timed as the autotuner times a kernel (:func:`qattn_compile.kernels.autotune.
 time_call`: the median of ``triton.testing.do_bench`` over replays of a CUDA graph of one call,
@@ -56,6 +60,28 @@ def build_block(shape: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return block, LlamaRotaryEmbedding(cfg).to("cuda")
 
 
+def calibrated_scales(block: torch.nn.Module, hidden, cos_sin) -> dict:
+    """``static_scales`` of ``fmha_int8`` for this block and input: amax per head of the
+    Q ``[B, Hq, L, D]``, K and V ``[B, Hkv, L, D]`` that one eager call passes to SDPA."""
+    seen = {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def record(q, k, v, *args, **kwargs):
+        for name, x in zip("qkv", (q, k, v)):
+            seen[name] = x.abs().amax(dim=(0, 2, 3)).float().tolist()
+        return sdpa(q, k, v, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = record
+    try:
+        with torch.no_grad():
+            block(hidden, cos_sin, None)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    if len(seen) != 3:
+        raise RuntimeError("the eager block did not call scaled_dot_product_attention")
+    return seen
+
+
 def profile_table(fn) -> str:
     """GPU time per kernel of one call (after the timed replays)."""
     from torch.profiler import ProfilerActivity, profile
@@ -74,6 +100,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--presets", nargs="+", default=["sage2_8b", "int_flash", "fp8"])
     parser.add_argument("--autotune", action="store_true", help="also time each preset autotuned")
+    parser.add_argument("--static", action="store_true",
+                        help="also time fmha_int8 with static scales calibrated on the input")
     parser.add_argument("--profile", action="store_true", help="log each mode's GPU time per kernel")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -81,8 +109,11 @@ def main() -> None:
                "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
                "batch": args.batch, "seq": args.seq, "rows": []}
     modes = ["eager-cudnn", "inductor-cudnn", "inductor"] + [f"qattn:{p}" for p in args.presets]
+    if args.static:
+        modes.append("qattn:fmha_int8:static")
     if args.autotune:
         modes += [f"qattn:{p}:autotune" for p in args.presets]
+        modes += ["qattn:fmha_int8:static:autotune"] if args.static else []
     for shape in args.shapes:
         block, rope = build_block(shape)
         hidden = torch.randn(args.batch, args.seq, SHAPES[shape][0], device="cuda", dtype=torch.bfloat16)
@@ -97,8 +128,13 @@ def main() -> None:
             elif mode.startswith("inductor"):
                 fn = torch.compile(block)
             else:
-                _, preset, *tuned = mode.split(":")
-                be = qattn_compile.backend({"qattn": 1, "default": preset}, autotune=bool(tuned))
+                _, preset, *flags = mode.split(":")
+                policy = {"qattn": 1, "default": preset}
+                if "static" in flags:
+                    policy["default_options"] = {
+                        "scales": "static", "static_scales": calibrated_scales(block, hidden, cos_sin)}
+                be = qattn_compile.backend(policy,
+                                           autotune="autotune" in flags)
                 fn = torch.compile(block, backend=be)
             row = {"shape": shape, "mode": mode}
             backend = sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if cudnn else contextlib.nullcontext()

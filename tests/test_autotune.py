@@ -102,6 +102,27 @@ def test_fastest_candidate_is_used_cached_and_not_retimed(monkeypatch):
     assert err_k <= 1.05 * err_r + 1e-3
 
 
+def test_static_scales_traced_as_fake_tensors_do_not_reach_the_timed_kernels(monkeypatch):
+    """Under torch.compile the static α that a ``scales: static`` call resolves are fake
+    tensors; the tuner times real kernels on random inputs, so it must not launch with them
+    (on the GPU every compiled static site with ``autotune`` failed with "Cannot access data
+    pointer of Tensor")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qattn_compile.kernels import launch
+
+    timer, calls = _fake_timer([2.0, 1.0] + [3.0] * 8)
+    monkeypatch.setattr(autotune, "time_call", timer)
+    with FakeTensorMode():
+        traced = {name: torch.full((1, 2, 1), 3.0) for name in ("q", "k", "v")}
+    q, k, v = _qkv(lq=40, d=32)
+    opts = resolve_options("fmha_int8", {"scales": "static", "static_scales": {"q": 3.0, "k": 3.0, "v": 3.0},
+                                         "autotune": True})
+    candidates = attention_candidates("fmha_int8", 32, CPU, torch.float16)
+    best = launch._autotuned("fmha_int8", opts, traced, q, k, v, None, True, None, candidates)
+    assert best == candidates[1] and len(calls) == len(candidates)
+
+
 def test_without_autotune_the_table_decides(monkeypatch):
     monkeypatch.setattr(autotune, "time_call", lambda fn, device: pytest.fail("timed"))
     q, k, v = _qkv()

@@ -253,11 +253,17 @@ def test_autotune_while_compiling_then_a_second_compile_reads_the_cache(tmp_path
     assert len(entry["timings_ms"]) >= 3 and min(entry["timings_ms"].values()) > 0
 
 
-def test_static_fmha_int8_is_served_by_the_kernels(tmp_path):
+@pytest.mark.parametrize("autotune", [False, True])
+def test_static_fmha_int8_is_served_by_the_kernels(tmp_path, monkeypatch, autotune):
     """``scales: static`` sites: the rewrite fills in each site's calibrated α before the
     kernels' support check (which refuses static options without them), so the compiled
-    model runs the Triton kernels instead of falling back."""
+    model runs the Triton kernels instead of falling back; with ``autotune`` the tuner times
+    its candidates on real stand-in α, not the traced (fake) ones."""
     from qattn_compile.evaluation import Evaluator, calibrate_capture, load_inputs, save_scales
+    from qattn_compile.kernels import autotune as tuner
+
+    monkeypatch.setenv(tuner.CACHE_DIR_ENV, str(tmp_path))
+    tuner.clear_memory()
 
     ev = Evaluator(load_inputs("tiny-bert"), device="cuda", fp_capture=True)
     path = save_scales(calibrate_capture(ev.fp, model="tiny-bert", inputs="test", samples=2),
@@ -266,8 +272,9 @@ def test_static_fmha_int8_is_served_by_the_kernels(tmp_path):
               "rules": [{"match": "*attention.self", "preset": "fmha_int8",
                          "options": {"scales": "static", "calibration": str(path)}}]}
     _compat.reset_dynamo()
-    be = qattn_compile.backend(policy=policy)
+    be = qattn_compile.backend(policy=policy, autotune=autotune)
     bundle = ev.inputs.bundle
     got = bundle.run(torch.compile(bundle.model, backend=be))
     assert [(r.status, r.execution) for r in be.site_reports] == [("rewritten", "triton")] * 2
+    assert tuner.cache_path().exists() == autotune
     assert compare(got, ev.reference[0])["cos"] > 0.9999

@@ -531,17 +531,28 @@ def _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale
     def make_inputs():
         q_, k_, v_ = (autotune.random_like_layout(shape, stride, q.dtype, q.device)
                       for shape, stride in zip(shapes, strides))
-        if attn_mask is None:
-            return q_, k_, v_, None
-        fill = torch.ones if attn_mask.dtype == torch.bool else torch.zeros
-        return q_, k_, v_, fill(mask_shape, dtype=attn_mask.dtype, device=q.device)
+        mask = None
+        if attn_mask is not None:
+            fill = torch.ones if attn_mask.dtype == torch.bool else torch.zeros
+            mask = fill(mask_shape, dtype=attn_mask.dtype, device=q.device)
+        return q_, k_, v_, mask, _timing_scales(static_scales, q_, k_, v_)
 
     def measure(cfg: AttentionConfig, inputs) -> float:
         call = prepare_attention(*inputs[:4], is_causal, scale, preset, opts,
-                                 static_scales=static_scales, config=cfg)
+                                 static_scales=inputs[4], config=cfg)
         return autotune.time_call(call.run, q.device)
 
     return autotune.tuned_config(key, q.device, candidates, make_inputs, measure)
+
+
+def _timing_scales(static: Mapping | None, q: Tensor, k: Tensor, v: Tensor) -> dict | None:
+    """Static α for timing a static call on the tuner's random inputs: each operand's amax
+    (O's bounded by V's). The call's own α cannot serve: while torch traces they are fake
+    tensors, which a kernel launch cannot read; the kernels' speed does not depend on them."""
+    if static is None:
+        return None
+    amax = {"q": q.abs().amax().item(), "k": k.abs().amax().item(), "v": v.abs().amax().item()}
+    return {name: amax.get(name, amax["v"]) for name in static}
 
 
 def kernel_attention(
