@@ -35,7 +35,6 @@ what is allowed.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import functools
 import logging
@@ -64,6 +63,7 @@ from pydantic import (
 
 from .blocks import KV_CACHE_BLOCK
 from .errors import PolicyError
+from .messages import describe_value, problem_sentence
 from .presets import PRESET_NAMES, NoOptions, PresetOptions, describe_fields, resolve_options
 
 logger = logging.getLogger("qattn_compile.policy")
@@ -127,7 +127,7 @@ def _resolve(preset: str | None, options: Any) -> PresetOptions:
         options = {}
     if not isinstance(options, (Mapping, PresetOptions)):
         raise ValueError(
-            f"options must be a mapping of option names to values, got {_kind(options)}; "
+            f"options must be a mapping of option names to values, got {describe_value(options)}; "
             f"options of preset {preset!r}: {describe_fields(preset)}"
         )
     if isinstance(options, Mapping):
@@ -372,7 +372,8 @@ class Policy(BaseModel):
             return value
         if not isinstance(value, Mapping):
             allowed = ", ".join(KVCachePolicy.model_fields)
-            raise ValueError(f"must be a mapping, got {_kind(value)}; allowed keys: {allowed}")
+            raise ValueError(
+                f"must be a mapping, got {describe_value(value)}; allowed keys: {allowed}")
         try:
             return KVCachePolicy.model_validate(dict(value))
         except ValidationError as exc:
@@ -396,7 +397,7 @@ class Policy(BaseModel):
         if not isinstance(data, Mapping):
             raise PolicyError(
                 f"policy {source}: the top level must be a mapping (`qattn: 1`, `rules: [...]`, "
-                f"...), got {_kind(data)}"
+                f"...), got {describe_value(data)}"
             )
         try:
             policy = cls.model_validate(dict(data))
@@ -523,8 +524,8 @@ def load_policy(source: Policy | str | os.PathLike[str] | Mapping[str, Any]) -> 
         return Policy.from_file(source)
     if not isinstance(source, str):
         raise PolicyError(
-            f"cannot load a policy from {_kind(source)}; pass a file path, YAML text, a dict "
-            f"or a Policy"
+            f"cannot load a policy from {describe_value(source)}; pass a file path, YAML text, "
+            f"a dict or a Policy"
         )
     if "\n" not in source and source.strip():
         if _path_is(source, Path.is_file):
@@ -569,18 +570,6 @@ def _path_is(text: str, test: Callable[[Path], bool]) -> bool:
         return False
 
 
-def _kind(value: Any) -> str:
-    """``a string 'x'``, ``a list [...]``: how messages show a wrong value."""
-    if value is None:
-        return "nothing (null)"
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string",
-             list: "a list", tuple: "a list", dict: "a mapping"}
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{names.get(type(value), type(value).__name__)} {text}"
-
-
 def _quote(value: Any) -> str:
     """``'text'`` for a string (no repr escaping of backslashes), repr otherwise."""
     return f"'{value}'" if isinstance(value, str) else repr(value)
@@ -607,31 +596,11 @@ def _where(loc: tuple, data: Mapping[str, Any]) -> tuple[str, tuple]:
 
 
 def _problem(error: dict, model: type[BaseModel], field: str) -> str:
-    """The sentence for one pydantic error, saying what is allowed."""
-    kind, value = error["type"], error.get("input")
-    if kind == "extra_forbidden":
-        allowed = list(model.model_fields)
-        close = difflib.get_close_matches(str(field), allowed, n=1)
-        hint = f" (did you mean `{close[0]}`?)" if close else ""
-        return f"unknown key `{field}`{hint}; allowed keys: {', '.join(allowed)}"
-    if kind == "missing":
-        hint = {"qattn": " (the schema version: write `qattn: 1`)",
-                "preset": f"; choose one of: {', '.join(PRESET_NAMES)}"}.get(field, "")
-        return f"missing required key `{field}`{hint}"
-    if kind in ("value_error", "assertion_error"):
-        return str(error["ctx"]["error"])
-    if kind == "literal_error":
-        return f"got {_kind(value)}; allowed: {error['ctx']['expected']}"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        allowed = ", ".join(model.model_fields)
-        return f"must be a mapping, got {_kind(value)}; allowed keys: {allowed}"
-    if kind in ("tuple_type", "list_type"):
-        return f"must be a list, got {_kind(value)}"
-    if kind in ("string_type", "str_type"):
-        return f"must be a string, got {_kind(value)}"
-    if kind == "bool_type":
-        return f"must be true or false, got {_kind(value)}"
-    return f"{error['msg']}, got {_kind(value)}"
+    """:func:`~qattn_compile.messages.problem_sentence` with the policy's hints for its
+    required keys."""
+    hints = {"qattn": " (the schema version: write `qattn: 1`)",
+             "preset": f"; choose one of: {', '.join(PRESET_NAMES)}"}
+    return problem_sentence(error, model, field, hints)
 
 
 def _explain(exc: ValidationError, data: Mapping[str, Any], source: str) -> str:

@@ -84,9 +84,19 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from .errors import PolicyError
+from .messages import problem_sentence
 
 
 class PresetOptions(BaseModel):
@@ -106,7 +116,7 @@ class NoOptions(PresetOptions):
 class KernelOptions(PresetOptions):
     """Options every preset that runs a qattn kernel has (the base of their option classes)."""
 
-    autotune: bool = Field(
+    autotune: StrictBool = Field(
         False,
         description="Time the kernel's tile-size candidates on the GPU and keep the fastest "
         "(once per shape class, cached on disk; see qattn_compile.kernels.autotune) instead of "
@@ -131,7 +141,7 @@ class IntFlashOptions(KernelOptions):
     v_granularity: Literal["tensor", "block"] = Field(
         "tensor", description="INT8 V scale per tensor (paper) or per block of V tokens."
     )
-    smooth_k: bool = Field(
+    smooth_k: StrictBool = Field(
         True, description="Subtract K's per-channel token mean (exact; false: the paper's math)."
     )
     p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
@@ -147,10 +157,10 @@ class StaticScales(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    q: tuple[float, ...] | float = Field(description="α_q: amax of Q per query head.")
-    k: tuple[float, ...] | float = Field(description="α_k: amax of K per kv head.")
-    v: tuple[float, ...] | float = Field(description="α_v: amax of V per kv head.")
-    o: tuple[float, ...] | float | None = Field(
+    q: tuple[StrictFloat, ...] | StrictFloat = Field(description="α_q: amax of Q per query head.")
+    k: tuple[StrictFloat, ...] | StrictFloat = Field(description="α_k: amax of K per kv head.")
+    v: tuple[StrictFloat, ...] | StrictFloat = Field(description="α_v: amax of V per kv head.")
+    o: tuple[StrictFloat, ...] | StrictFloat | None = Field(
         None, description="α_o: amax of O per query head (used with quantize_output)."
     )
 
@@ -183,10 +193,10 @@ class FmhaInt8Options(KernelOptions):
     scales: Literal["dynamic", "static"] = Field(
         "dynamic", description="α from each call's amax (dynamic) or from a calibration file."
     )
-    calibration: str | None = Field(
+    calibration: StrictStr | None = Field(
         None, description="Path of a scales file written by `qattn calibrate` (static mode)."
     )
-    quantize_output: bool = Field(False, description="Re-quantize O to INT8 with α_o/127.")
+    quantize_output: StrictBool = Field(False, description="Re-quantize O to INT8 with α_o/127.")
     p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
     static_scales: StaticScales | None = Field(
         None,
@@ -212,9 +222,9 @@ class Sage2Options(KernelOptions):
     qk_granularity: Literal["warp", "block", "token"] = Field(
         "warp", description="Tokens per Q/K scale (see qattn_compile.blocks)."
     )
-    smooth_k: bool = Field(True, description="Subtract K's per-channel token mean.")
-    smooth_q: bool = Field(True, description="Subtract Q's per-block mean, add ΔS back.")
-    smooth_v: bool = Field(False, description="Subtract V's channel mean, add it back to O.")
+    smooth_k: StrictBool = Field(True, description="Subtract K's per-channel token mean.")
+    smooth_q: StrictBool = Field(True, description="Subtract Q's per-block mean, add ΔS back.")
+    smooth_v: StrictBool = Field(False, description="Subtract V's channel mean, add it back to O.")
     pv: Literal["fp8", "fp16"] = Field(
         "fp8", description="P·V in FP8 e4m3 (P and per-channel V) or in the input's 16-bit dtype."
     )
@@ -236,7 +246,7 @@ class TurboOptions(KernelOptions):
     exp: Literal["sas", "hardware"] = Field(
         "sas", description="SAS polynomial exp (paper) or the hardware exp."
     )
-    sas_threshold: float = Field(-6.0, lt=0, description="Scores below max+threshold give P=0.")
+    sas_threshold: StrictFloat = Field(-6.0, lt=0, description="Scores below max+threshold give P=0.")
     p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
 
 
@@ -300,11 +310,10 @@ def resolve_options(preset: str, options: dict | PresetOptions | None = None) ->
     try:
         return cls(**(options or {}))
     except ValidationError as exc:
-        from .policy import _problem  # the policy's sentences (a top-level import is a cycle)
-
         problems = "; ".join(
-            f"field `{'.'.join(str(p) for p in e['loc'])}`: {_problem(e, cls, str(e['loc'][-1]))}"
-            if e["loc"] else f"options: {_problem(e, cls, '')}"
+            f"field `{'.'.join(str(p) for p in e['loc'])}`: "
+            f"{problem_sentence(e, cls, str(e['loc'][-1]))}"
+            if e["loc"] else f"options: {problem_sentence(e, cls, '')}"
             for e in exc.errors()
         )
         raise PolicyError(

@@ -37,8 +37,12 @@ def _inputs(lq: int, lkv: int, dim: int, hq: int = 4, hkv: int = 2, seed: int = 
     return q.half(), k.half(), v.half()
 
 
-def _run(q, k, v, preset, cfg, options=None, mask=None, causal=False):
+def _run(q, k, v, preset, cfg, options=None, mask=None, causal=False, descriptors=None):
+    """The kernel's output with tile ``cfg``; ``descriptors`` (default: ``cfg.tma``) is the
+    load path the call must take."""
     call = prepare_attention(q, k, v, mask, causal, None, preset, options, config=cfg)
+    expected = cfg.tma if descriptors is None else descriptors
+    assert call.loads_by_tma == expected, (preset, tuple(call.ops.k.shape), call.ops.k.stride())
     return call.run()
 
 
@@ -58,7 +62,9 @@ def _run(q, k, v, preset, cfg, options=None, mask=None, causal=False):
 def test_descriptor_path_matches_pointer_path(preset, options, lq, lkv, dim, causal):
     q, k, v = _inputs(lq, lkv, dim)
     expected = _run(q, k, v, preset, POINTERS, options, causal=causal)
-    got = _run(q, k, v, preset, DESCRIPTORS, options, causal=causal)
+    # INT4 rows of D/2 bytes: 40 at D=80 is no multiple of 16, so no descriptor can address K
+    descriptors = not (preset == "sage2_4b" and dim == 80)
+    got = _run(q, k, v, preset, DESCRIPTORS, options, causal=causal, descriptors=descriptors)
     assert torch.equal(got, expected)
     # and both are attention: error against exact attention like any kernel of the preset
     exact = exact_attention(q.double(), k.double(), v.double(), is_causal=causal)

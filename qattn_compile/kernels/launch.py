@@ -258,6 +258,13 @@ def _colsum_per_tile(colsum: Tensor, block_n: int) -> Tensor:
     return padded.reshape(bsz, heads, -1, per_tile, dv).sum(dim=3, dtype=torch.int32)
 
 
+def loads_by_tma(ops: Operands, cfg: AttentionConfig) -> bool:
+    """Whether the attention kernel reads K and V through TMA descriptors: the tile asks for
+    them and both tensors are TMA-addressable (:func:`.primitives.tma_compatible`; else
+    pointer loads, logged at debug level)."""
+    return cfg.tma and tma_compatible(ops.k, ops.v)
+
+
 def _launch(
     ops: Operands,
     out: Tensor,
@@ -302,7 +309,7 @@ def _launch(
         mvals, msum, mtiles, mcount = mask.values, mask.summary, mask.tiles, mask.counts
         m_strides, s_strides = mask.values.stride(), mask.summary.stride()
         t_strides, c_strides = mask.tiles.stride(), mask.counts.stride()
-    use_tma = cfg.tma and tma_compatible(ops.k, ops.v)
+    use_tma = loads_by_tma(ops, cfg)
     if cfg.tma and not use_tma:
         logger.debug("qattn kernel: K %s / V %s strides (storage offsets %s, %s) not TMA-addressable; "
                      "pointer loads instead", tuple(ops.k.stride()), tuple(ops.v.stride()),
@@ -415,6 +422,11 @@ class PreparedAttention:
     out_shape: tuple[int, int, int, int]  # (B, Hq, Lq, Dv)
     out_dtype: torch.dtype
     out_heads_inside_tokens: bool  # the output stored [B, Lq, Hq, Dv] (see output_buffer)
+
+    @property
+    def loads_by_tma(self) -> bool:
+        """Whether :meth:`run` reads K and V through TMA descriptors (:func:`loads_by_tma`)."""
+        return loads_by_tma(self.ops, self.cfg)
 
     def run(self) -> Tensor:
         """Launch the attention kernel; returns a fresh ``[B, Hq, Lq, Dv]`` in ``out_dtype``

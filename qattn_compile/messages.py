@@ -1,0 +1,58 @@
+"""Sentences for validation errors: what was given and what is allowed.
+
+The policy (:mod:`qattn_compile.policy`) and the preset options (:mod:`qattn_compile.presets`)
+turn each pydantic error into one of these sentences, so that a wrong key or value reads the
+same wherever it was written.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+
+def describe_value(value: Any) -> str:
+    """``a string 'x'``, ``a list [...]``: how messages show a wrong value."""
+    if value is None:
+        return "nothing (null)"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "a list", tuple: "a list", dict: "a mapping"}
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{names.get(type(value), type(value).__name__)} {text}"
+
+
+def problem_sentence(
+    error: dict, model: type[BaseModel], field: str, missing_hints: Mapping[str, str] | None = None
+) -> str:
+    """The sentence for one pydantic error (an item of ``ValidationError.errors()``) of
+    ``model``'s key ``field``, saying what is allowed; ``missing_hints`` adds a hint to the
+    sentence of a missing key, by key name."""
+    kind, value = error["type"], error.get("input")
+    if kind == "extra_forbidden":
+        allowed = list(model.model_fields)
+        close = difflib.get_close_matches(str(field), allowed, n=1)
+        hint = f" (did you mean `{close[0]}`?)" if close else ""
+        return f"unknown key `{field}`{hint}; allowed keys: {', '.join(allowed)}"
+    if kind == "missing":
+        return f"missing required key `{field}`{(missing_hints or {}).get(field, '')}"
+    if kind in ("value_error", "assertion_error"):
+        return str(error["ctx"]["error"])
+    if kind == "literal_error":
+        return f"got {describe_value(value)}; allowed: {error['ctx']['expected']}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        allowed = ", ".join(model.model_fields)
+        return f"must be a mapping, got {describe_value(value)}; allowed keys: {allowed}"
+    if kind in ("tuple_type", "list_type"):
+        return f"must be a list, got {describe_value(value)}"
+    if kind in ("string_type", "str_type"):
+        return f"must be a string, got {describe_value(value)}"
+    if kind in ("float_type", "int_type"):
+        return f"must be a number, got {describe_value(value)}"
+    if kind == "bool_type":
+        return f"must be true or false, got {describe_value(value)}"
+    return f"{error['msg']}, got {describe_value(value)}"
