@@ -190,6 +190,10 @@ def test_compiles_without_options_share_a_backend_per_mode():
     tuned = qattn_compile.last_backend()
     assert tuned is not plain and tuned.options.mode == "max-autotune-no-cudagraphs"
     assert tuned.options.autotune is True and plain.options.autotune is None
+    # a second plain compile reuses the first plain backend: its reports gather both sites
+    _compat.reset_dynamo()  # else dynamo reuses the first compile's frame and compiles nothing
+    torch.compile(Attention(), backend="qattn")(q)
+    assert qattn_compile.last_backend() is plain and len(plain.site_reports) == 2
 
 
 @pytest.mark.parametrize("policy", ["", {}])
@@ -208,13 +212,13 @@ def test_inductor_compiles_rewritten_graph(make_bundle):
     assert compare(out, reference)["cos"] > DEFAULT_COS_FLOOR
 
 
-def test_graph_op_choice():
-    """CPU sites get the custom op (the reference); CUDA sites, bool masks included, the triton_op."""
+def test_graph_op_choice_on_cpu():
+    """CPU sites get the custom op (the reference); the CUDA side is
+    ``test_lowering_gpu.py::test_cuda_sites_get_the_triton_op``."""
     from qattn_compile import ops
 
     assert ops.graph_op("cpu") is torch.ops.qattn.attention.default
-    if torch.cuda.is_available():
-        assert ops.graph_op("cuda") is torch.ops.qattn.attention_triton.default
+    assert ops.execution_path("cpu") == "reference"
 
 
 @pytest.mark.parametrize("heads_inside", [False, True])

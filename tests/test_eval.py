@@ -203,11 +203,12 @@ def test_static_sites_pass_the_kernels_support_check(bert_ev, bert_scales, monke
 
 
 def test_head_priority_formula():
-    # one head, two channels: gaps 4 and 2; head range 5 - (-1) = 6; std of (4, 2) = 1
-    hi = torch.tensor([[5.0, 1.0]])
-    lo = torch.tensor([[1.0, -1.0]])
+    # one head, two channels: gaps 6 and 2; head range 6 - (-1) = 7; population std of (6, 2)
+    # = 2, so gap × std (14) differs from gap / std, gap alone and std alone
+    hi = torch.tensor([[6.0, 1.0]])
+    lo = torch.tensor([[0.0, -1.0]])
     p = head_priority(hi, lo)
-    assert p["gap"].item() == 6.0 and p["std"].item() == 1.0 and p["priority"].item() == 6.0
+    assert p["gap"].item() == 7.0 and p["std"].item() == 2.0 and p["priority"].item() == 14.0
 
 
 # ----------------------------------------------------------------------------- tune
@@ -307,10 +308,14 @@ def test_png_encoder_round_trip():
 
 
 def test_line_chart_draws_every_series():
-    canvas = png.line_chart({"a": [1e-2, 2e-2, None], "b": [1e-4, 1e-4, 3e-4]}, ["0", "1", "2"],
-                            title="t", y_label="y", x_label="x", width=400, height=240)
-    colors = {canvas.get(x, y) for x in range(canvas.width) for y in range(canvas.height)}
-    assert png.PALETTE[0] in colors and png.PALETTE[1] in colors and png.BLACK in colors
+    series = {"a": [1e-2, 2e-2, None], "b": [1e-4, 1e-4, 3e-4]}
+    canvas = png.line_chart(series, ["0", "1", "2"], title="t", y_label="y", x_label="x",
+                            width=400, height=240)
+    # left of the legend (which shows every series' colour whether or not it is drawn)
+    legend_left = canvas.width - max(png.text_width(name, 2) for name in series) - 70
+    plotted = {canvas.get(x, y) for x in range(legend_left) for y in range(canvas.height)}
+    assert png.PALETTE[0] in plotted and png.PALETTE[1] in plotted
+    assert png.PALETTE[2] not in plotted  # no third series
 
 
 # ----------------------------------------------------------------------------- CLI

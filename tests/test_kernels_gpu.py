@@ -135,8 +135,18 @@ def test_gpu_bf16(preset):
     ],
 )
 def test_gpu_preset_options(preset, options):
+    """Each option reaches the kernel: as accurate as the option's reference, and nearer it
+    than the kernel with the default options is."""
     q, k, v = make_qkv(d=64, outliers=True)
-    check(q, k, v, preset, options, label=str(options), is_causal=True)
+    out = check(q, k, v, preset, options, label=str(options), is_causal=True)
+    call = _kernels().prepare_attention(q, k, v, preset=preset, options=options, is_causal=True)
+    ref = reference_attention(q, k, v, preset=preset, options=options, is_causal=True,
+                              key_tile=call.cfg.block_n)
+    default = _kernels().kernel_attention(q, k, v, preset=preset, is_causal=True)
+    near, default_near = metrics(out, ref)[1], metrics(default, ref)[1]
+    print(f"{preset:10s} {str(options):28s} kernel–reference l1={near:.6f}, "
+          f"default options' kernel {default_near:.6f}")
+    assert near < 0.75 * default_near, (near, default_near)
 
 
 # ------------------------------------------------------------------------------------------

@@ -143,6 +143,15 @@ def test_prefill_fills_whole_chunks_and_buffers_the_rest():
     assert kv.shape == (2, 2, 4, 150, 32)
     err = (kv[0] - k).abs() / k.abs().amax()
     assert err[:, :, 128:].max() < 0.5 / 127 + 1e-6  # buffered tokens: INT8 with the universal scale
+    # whole chunks: INT8 per block, then INT2 codes for the lowest-priority head, INT4 for the rest
+    heads4, heads2 = assign_int2_heads(k, v, 1)
+    assert torch.equal(t.heads4, heads4) and torch.equal(t.heads2, heads2)
+    for side, x in enumerate((k, v)):
+        q8, s8 = flashq.int8_blocks(x[:, :, :128])
+        for heads, bits in ((heads2.long(), 2), (heads4.long(), 4)):
+            back = flashq.progressive_dequantize(*flashq.progressive_quantize(q8[:, heads], bits))
+            expected = (back.float() * s8[:, heads, :, None, None]).flatten(2, 3)
+            torch.testing.assert_close(kv[side][:, heads, :128].float(), expected)
 
 
 def test_buffer_clamps_to_the_universal_scale():

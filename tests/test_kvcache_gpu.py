@@ -145,12 +145,17 @@ def test_generate_with_transformers_compile_config_and_cuda_graphs():
     settings = KVCacheLayer(int2_heads=1)
     eager = _generate(model, ids, FlashQCache(model.config, 260, settings))
     _compat.reset_dynamo()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     try:
         compiled = model.generate(
             ids, past_key_values=FlashQCache(model.config, 260, settings), max_new_tokens=16, min_new_tokens=16,
             do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0,
             compile_config=CompileConfig(backend=qattn_backend, mode="reduce-overhead"),
         )[:, ids.shape[1]:]
+        # transformers falls back to eager decoding with only a warning: the steps must
+        # have been compiled, by the qattn backend in CUDA-graph mode
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before
+        assert qattn_compile.last_backend().options.mode == "reduce-overhead"
     finally:
         _compat.reset_dynamo()
     assert (compiled == eager).float().mean() > 0.9

@@ -28,6 +28,15 @@ def _inputs():
     return q, k, v
 
 
+def test_cuda_sites_get_the_triton_op():
+    """CUDA sites get the inlinable ``attention_triton`` (any mask: the bool-mask case is
+    ``test_bool_mask_sites_are_inlined_by_inductor``); the CPU side is in test_backend.py."""
+    from qattn_compile import ops
+
+    assert ops.graph_op("cuda") is torch.ops.qattn.attention_triton.default
+    assert ops.execution_path("cuda") == "triton"
+
+
 @pytest.mark.parametrize("preset", ["int_flash", "sage2_8b"])
 def test_attention_kernels_are_inlined_by_inductor(preset):
     _compat.reset_dynamo()

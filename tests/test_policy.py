@@ -267,9 +267,12 @@ def test_int_flash_smooth_k_option():
 
 def test_options_are_validated_against_their_own_preset():
     # a valid sage2 option is not valid for turbo, and vice versa
-    assert "qk_granularity" in error_of(
+    assert "unknown key `qk_granularity`" in error_of(
         RULES.format(rule="{match: x, preset: turbo, options: {qk_granularity: block}}"))
-    assert "sas_threshold" in error_of(
+    assert "unknown key `sas_threshold`" in error_of(
+        RULES.format(rule="{match: x, preset: sage2_8b, options: {sas_threshold: -1.0}}"))
+    # and each preset's own constraints: turbo's threshold must be negative
+    assert "field `sas_threshold`: Input should be less than 0" in error_of(
         RULES.format(rule="{match: x, preset: turbo, options: {sas_threshold: 1.0}}"))
     p = load_policy(RULES.format(rule="{match: x, preset: sage2_4b, options: {smooth_v: true}}"))
     assert p.rules[2].options == Sage2Options(smooth_v=True)
