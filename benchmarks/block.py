@@ -131,10 +131,9 @@ def main() -> None:
                 _, preset, *flags = mode.split(":")
                 policy = {"qattn": 1, "default": preset}
                 if "static" in flags:
-                    policy["default_options"] = {
-                        "scales": "static", "static_scales": calibrated_scales(block, hidden, cos_sin)}
-                be = qattn_compile.backend(policy,
-                                           autotune="autotune" in flags)
+                    alphas = calibrated_scales(block, hidden, cos_sin)
+                    policy["default_options"] = {"scales": "static", "static_scales": alphas}
+                be = qattn_compile.backend(policy, autotune="autotune" in flags)
                 fn = torch.compile(block, backend=be)
             row = {"shape": shape, "mode": mode}
             backend = sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if cudnn else contextlib.nullcontext()
