@@ -113,20 +113,33 @@ class TuneKey:
         """The key of a call: ``shapes`` and ``strides`` of q, k, v (``[B, H, L, D]``, size
         hints as ints; lengths and batch bucketed), ``scale`` the softmax scale (None:
         ``1/sqrt(D)``)."""
-        settings = json.loads(options.to_json())
-        for name in _NOT_KEYED:
-            settings.pop(name, None)
         mask = "none" if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
         (b, hq, lq, d), (_, hkv, lkv, _), (*_, dv) = shapes
         layout = "/".join(_memory_order(shape, stride) for shape, stride in zip(shapes, strides))
-        return cls(preset, json.dumps(settings, sort_keys=True), str(dtype).removeprefix("torch."),
+        return cls(preset, _keyed_options(options), str(dtype).removeprefix("torch."),
                    _bucket(b), hq, hkv, _bucket(lq), _bucket(lkv), d, dv, bool(is_causal), mask,
                    layout, scale is None or scale > 0)
 
     def text(self, device: torch.device) -> str:
         """The cache entry's name: this key plus the environment of ``device``."""
-        return json.dumps({**dataclasses.asdict(self), **_environment(torch.device(device))},
-                          sort_keys=True)
+        return _entry_name(self, torch.device(device))
+
+
+# Cached, as _environment: every eager call with ``autotune`` builds its key and looks it up
+# (~35 µs of JSON per call uncached). Options and keys are frozen, hence hashable.
+@functools.lru_cache(maxsize=256)
+def _keyed_options(options) -> str:
+    """``options`` as sorted JSON without :data:`_NOT_KEYED`."""
+    settings = json.loads(options.to_json())
+    for name in _NOT_KEYED:
+        settings.pop(name, None)
+    return json.dumps(settings, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _entry_name(key: TuneKey, device: torch.device) -> str:
+    """:meth:`TuneKey.text`."""
+    return json.dumps({**dataclasses.asdict(key), **_environment(device)}, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=16)
