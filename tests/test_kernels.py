@@ -33,7 +33,12 @@ from qattn_compile.kernels import kernel_attention, prepare_attention, supports 
 from qattn_compile.kernels import attention as attn  # noqa: E402
 from qattn_compile.kernels import primitives as prim  # noqa: E402
 from qattn_compile.kernels import quantize as kq  # noqa: E402
-from qattn_compile.kernels.heuristics import AttentionConfig  # noqa: E402
+from qattn_compile.kernels import launch  # noqa: E402
+from qattn_compile.kernels.heuristics import (  # noqa: E402
+    HEADS_FIRST_MAX_KV_BYTES,
+    AttentionConfig,
+    heads_first_grid,
+)
 from qattn_compile.lowering import quantize as lowered  # noqa: E402
 from qattn_compile.kernels.mask import (  # noqa: E402
     TILE_FULL,
@@ -626,6 +631,34 @@ def test_fmha_static_scales():
     ref = reference_attention(q, k, v, preset="fmha_int8", options=options, key_tile=32)
     assert rel_l1(out, exact) <= 1.05 * rel_l1(ref, exact) + EPS
     assert rel_l1(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["flash", "int_flash", "sage2_8b"])
+def test_both_grid_orders_compute_the_same_causal_attention(preset, monkeypatch):
+    """Causal calls run heads first while K and V are small (:func:`heads_first_grid`), query
+    tiles first above that: both orders, forced here on a small call (odd lengths, GQA, a
+    bool mask with a fully masked row on top of the causal one), give the reference's
+    accuracy and the same bits. The launcher hands the rule the call's K + V bytes in their
+    kernel formats (fp16 for flash, 8-bit K and V for the others)."""
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, lq=70, lkv=70, d=32)
+    mask = random_bool_mask((2, 1, 70, 70))
+    mask[1, 0, 5] = False
+    seen, outs = [], {}
+    for heads_first in (True, False):
+        def rule(is_causal, kv_bytes, forced=heads_first):
+            seen.append(kv_bytes)
+            return forced
+        monkeypatch.setattr(launch, "heads_first_grid", rule)
+        for kwargs in ({"is_causal": True}, {"is_causal": True, "attn_mask": mask}):
+            out, _, _ = check_against_reference(q, k, v, preset, **kwargs)
+            outs.setdefault(len(kwargs), []).append(out)
+    for first, last in outs.values():
+        assert torch.equal(first, last)
+    bytes_per_value = 2 if preset == "flash" else 1
+    assert set(seen) == {2 * 2 * 70 * 2 * 32 * bytes_per_value}  # B·Hkv·Lkv·(D + Dv)·bytes
+    assert heads_first_grid(True, HEADS_FIRST_MAX_KV_BYTES)
+    assert not heads_first_grid(True, HEADS_FIRST_MAX_KV_BYTES + 1)
+    assert not heads_first_grid(False, 1)
 
 
 @pytest.mark.parametrize("preset", ["flash", "sage2_8b"])

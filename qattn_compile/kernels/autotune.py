@@ -56,8 +56,9 @@ CACHE_DIR_ENV = "QATTN_CACHE_DIR"
 CACHE_FILE = "autotune.json"
 CACHE_VERSION = 1
 """Bumped when the file's layout changes (older files are then ignored)."""
-_KERNEL_SOURCES = ("attention.py", "primitives.py")
-"""Files of this package whose text is the kernel: a change re-tunes."""
+_KERNEL_SOURCES = ("attention.py", "primitives.py", "heuristics.py")
+"""Files of this package whose text is the kernel or its launch (the grid order of
+:func:`.heuristics.heads_first_grid`): a change re-tunes."""
 
 stats: Counter = Counter()
 """``tuned``: keys timed in this process; ``hits``: keys served from memory or disk."""

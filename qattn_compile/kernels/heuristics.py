@@ -6,7 +6,9 @@ for short key lengths (:data:`_SHORT_KEYS`) and for calls without any mask
 ``"sm90"`` (Hopper), ``"sm80"`` (Ampere/Ada and anything else with CUDA) or ``"interp"``
 (the Triton interpreter on CPU tensors, where small tiles keep tests fast and still cover
 several tiles per row). The candidates the autotuner times (:func:`attention_candidates`,
-:mod:`.autotune`) live here too, under the same constraints.
+:mod:`.autotune`) live here too, under the same constraints, and the grid's order
+(:func:`heads_first_grid`: causal calls with small K/V run every head's longest query tile
+first).
 
 Constraints the launchers rely on (checked by :func:`attention_config`):
 
@@ -132,11 +134,15 @@ _NATIVE_PV: dict[tuple[str, int, str], AttentionConfig] = {
 # 64×128: sage2_8b D=128 348 / 315 at 1K, 483 / 465 at 2K, 591 / 580 at 4K (8K: 636 / 651);
 # fp8 D=128 387 / 340, 551 / 513, 674 / 674 at 4K; sage2_8b D=64 with 64×64 pointer loads
 # 241 / 225 at 1K (non-causal 359 / 341), 325 / 333 at 2K. int_flash keeps its tile
-# (64×64: 269 / 299 at 1K, D=128). Not applied to a native P·V (no measurement).
+# (64×64: 269 / 299 at 1K, D=128). Not applied to a native P·V (no measurement). fp8 D=64
+# at 1K since the heads-first causal grid (session 21, H200, B=4, 32/8 heads, kernel alone):
+# 52.0 µs with 64×64 pointer loads against 57.5 with the table's 64×128 (causal), but 81.4
+# against 78.8 without a mask (causal prefill is the common short call).
 _SHORT_KEYS: dict[tuple[str, int, str], tuple[int, AttentionConfig]] = {
     ("sage2_8b", 128, "sm90"): (4096, _SM90_ONE_WARPGROUP_SQUARE),
     ("fp8", 128, "sm90"): (2048, _SM90_ONE_WARPGROUP_SQUARE),
     ("sage2_8b", 64, "sm90"): (1024, AttentionConfig(64, 64, 4, 3)),
+    ("fp8", 64, "sm90"): (1024, AttentionConfig(64, 64, 4, 3)),
 }
 
 
@@ -288,6 +294,30 @@ def attention_config(
         raise ValueError(f"block_n={cfg.block_n} must be at most 2·SMOOTH_Q_BLOCK="
                          f"{2 * SMOOTH_Q_BLOCK} with ΔS")
     return cfg
+
+
+HEADS_FIRST_MAX_KV_BYTES = 16 << 20
+"""Largest K + V footprint (bytes, all batches and kv heads) of a causal call whose grid runs
+over the heads first (:func:`heads_first_grid`): about a third of the H100/H200's 50 MB L2."""
+
+
+def heads_first_grid(is_causal: bool, kv_bytes: int) -> bool:
+    """Whether the attention grid is ``(B·Hq, n_m)`` (heads first) rather than ``(n_m, B·Hq)``.
+
+    A causal row tile's work grows with its index, and programs start in grid order. Query
+    tiles first (longest first within each head) leaves late heads' longest tiles starting
+    near the end of the launch, a tail on a few SMs; heads first starts every head's longest
+    tile before any shorter one (longest-processing-time-first). The price is L2 reuse: the
+    programs in flight then read the K/V of every (batch, kv head) instead of one head's.
+    Measured on an H200 (kernel alone, causal, D=64, 32/8 heads, NOTES.md session 21), heads
+    first against query tiles first with the table's 64×128 tile: 2-10 % faster at B=4 × 1K,
+    −2 to +5 % at B=4 × 4K, −0.5 to +5 % at B=1 × 16K (K + V up to 16 MiB; 64×64 tiles gain
+    10-18 %, 0-14 %, 2-14 %), but −3 to +6 % slower at B=1 × 32K (32-64 MiB). Non-causal calls (equal work per program) have
+    no tail to shorten: ±1 % at 1K and 4K, 4-16 % lost at B=4 × 16K, so they keep query tiles
+    first. ``kv_bytes``: K and V bytes the call reads, all batches and kv heads, in the
+    kernel's formats.
+    """
+    return is_causal and kv_bytes <= HEADS_FIRST_MAX_KV_BYTES
 
 
 # Autotuning candidates per arch and padded head dim (besides the table entry, tried first).
