@@ -35,9 +35,9 @@ from qattn_compile.kernels import primitives as prim  # noqa: E402
 from qattn_compile.kernels import quantize as kq  # noqa: E402
 from qattn_compile.kernels import launch  # noqa: E402
 from qattn_compile.kernels.heuristics import (  # noqa: E402
-    HEADS_FIRST_MAX_KV_BYTES,
+    GRID_GROUP_KV_BYTES,
     AttentionConfig,
-    heads_first_grid,
+    grid_head_group,
 )
 from qattn_compile.lowering import quantize as lowered  # noqa: E402
 from qattn_compile.kernels.mask import (  # noqa: E402
@@ -634,31 +634,39 @@ def test_fmha_static_scales():
 
 
 @pytest.mark.parametrize("preset", ["flash", "int_flash", "sage2_8b"])
-def test_both_grid_orders_compute_the_same_causal_attention(preset, monkeypatch):
-    """Causal calls run heads first while K and V are small (:func:`heads_first_grid`), query
-    tiles first above that: both orders, forced here on a small call (odd lengths, GQA, a
-    bool mask with a fully masked row on top of the causal one), give the reference's
-    accuracy and the same bits. The launcher hands the rule the call's K + V bytes in their
-    kernel formats (fp16 for flash, 8-bit K and V for the others)."""
+def test_every_grid_grouping_computes_the_same_causal_attention(preset, monkeypatch):
+    """The causal grid interleaves the query tiles of groups of heads (:func:`grid_head_group`).
+    Every grouping, forced here on a small call (odd lengths, GQA, a bool mask with a fully
+    masked row on top of the causal one), gives the reference's accuracy and the same bits:
+    one head at a time, a group of 3 of the 8 (batch, head) rows (the last group partial:
+    its spare programs must exit, not write), and all 8. The launcher hands the rule
+    ``B·Hq`` and one (batch, kv head)'s K + V bytes in the kernel formats (fp16 for flash,
+    8-bit K and V for the others)."""
     q, k, v = make_qkv(b=2, hq=4, hkv=2, lq=70, lkv=70, d=32)
     mask = random_bool_mask((2, 1, 70, 70))
     mask[1, 0, 5] = False
-    seen, outs = [], {}
-    for heads_first in (True, False):
-        def rule(is_causal, kv_bytes, forced=heads_first):
-            seen.append(kv_bytes)
+    seen, outs = set(), {}
+    for group in (1, 3, 8):
+        def rule(is_causal, hq_per_kv, n_heads, kv_bytes_per_head, forced=group):
+            seen.add((is_causal, hq_per_kv, n_heads, kv_bytes_per_head))
             return forced
-        monkeypatch.setattr(launch, "heads_first_grid", rule)
+        monkeypatch.setattr(launch, "grid_head_group", rule)
         for kwargs in ({"is_causal": True}, {"is_causal": True, "attn_mask": mask}):
             out, _, _ = check_against_reference(q, k, v, preset, **kwargs)
             outs.setdefault(len(kwargs), []).append(out)
-    for first, last in outs.values():
-        assert torch.equal(first, last)
+    for first, *rest in outs.values():
+        assert all(torch.equal(first, other) for other in rest)
     bytes_per_value = 2 if preset == "flash" else 1
-    assert set(seen) == {2 * 2 * 70 * 2 * 32 * bytes_per_value}  # B·Hkv·Lkv·(D + Dv)·bytes
-    assert heads_first_grid(True, HEADS_FIRST_MAX_KV_BYTES)
-    assert not heads_first_grid(True, HEADS_FIRST_MAX_KV_BYTES + 1)
-    assert not heads_first_grid(False, 1)
+    assert seen == {(True, 2, 8, 70 * 2 * 32 * bytes_per_value)}  # Lkv·(D + Dv)·bytes
+
+
+def test_grid_groups_hold_the_kv_heads_that_fit_the_l2_share():
+    budget = GRID_GROUP_KV_BYTES
+    assert grid_head_group(False, 4, 128, 1) == 1  # non-causal: one head at a time
+    assert grid_head_group(True, 4, 128, budget // 128) == 128  # everything fits: all heads
+    assert grid_head_group(True, 4, 128, budget // 4) == 16  # 4 kv heads × 4 query heads
+    assert grid_head_group(True, 4, 128, budget + 1) == 4  # one kv head's query heads at least
+    assert grid_head_group(True, 4, None, 1) == 4  # no size hint
 
 
 @pytest.mark.parametrize("preset", ["flash", "sage2_8b"])

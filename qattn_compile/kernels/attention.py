@@ -491,7 +491,7 @@ def _tile_step(
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     qs_ptr, ks_ptr, vs_ptr, ds_ptr, vmean_ptr, mask_ptr, sum_ptr, tiles_ptr, cnt_ptr, cs_ptr,
-    Lq, Lkv, n_heads_q, hq_per_kv,
+    Lq, Lkv, n_heads_q, hq_per_kv, n_bh,
     qk_scale, thr_log2, c0, c1, c2, c3,
     sqb, sqh, sql, sqd,
     skb, skh, skl, skd,
@@ -516,12 +516,13 @@ def attention_kernel(
     USE_TMA: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
 ):
     """Attention of query rows ``[pid_m·BLOCK_M, …)`` of (batch, query head) ``pid_bh``.
 
-    Grid ``(cdiv(Lq, BLOCK_M), B·Hq)``, or ``(B·Hq, cdiv(Lq, BLOCK_M))`` with ``HEADS_FIRST``
-    (:func:`~.heuristics.heads_first_grid`); causal calls run their query tiles longest first. q ``[B, Hq, Lq, D]`` (INT4: ``[.., ceil(D/2)]``
+    Grid ``(G, cdiv(Lq, BLOCK_M), cdiv(n_bh, G))``: groups of ``G`` consecutive (batch, query
+    head) rows of the ``n_bh = B·Hq``, query tiles interleaved across a group's heads
+    (:func:`~.heuristics.grid_head_group`), causal query tiles longest first; programs past
+    ``n_bh`` (a last, partial group) exit. q ``[B, Hq, Lq, D]`` (INT4: ``[.., ceil(D/2)]``
     bytes), k ``[B, Hkv, Lkv, D]`` (likewise), v ``[B, Hkv, Lkv, Dv]`` native or ``[B, Hkv, Dv,
     L_pad]`` 8-bit (the launcher passes (token, channel) strides), o ``[B, Hq, Lq, Dv]``.
     Scales: qs ``[B, Hq, nq]``, ks ``[B, Hkv, nk]``, vs ``[B, Hkv, nv]`` or ``[B, Hkv, Dv]``;
@@ -538,16 +539,12 @@ def attention_kernel(
     thr_log2 = tl.cast(thr_log2, tl.float32)
     c0, c1 = tl.cast(c0, tl.float32), tl.cast(c1, tl.float32)
     c2, c3 = tl.cast(c2, tl.float32), tl.cast(c3, tl.float32)
-    if HEADS_FIRST:
-        pid_bh = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        if IS_CAUSAL:
-            pid_m = tl.num_programs(1) - 1 - pid_m
-    else:
-        pid_m = tl.program_id(0)
-        if IS_CAUSAL:
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    if pid_bh >= n_bh:
+        return
+    pid_m = tl.program_id(1)
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(1) - 1 - pid_m
     b = pid_bh // n_heads_q
     hq = pid_bh % n_heads_q
     hkv = hq // hq_per_kv

@@ -58,7 +58,7 @@ CACHE_VERSION = 1
 """Bumped when the file's layout changes (older files are then ignored)."""
 _KERNEL_SOURCES = ("attention.py", "primitives.py", "heuristics.py")
 """Files of this package whose text is the kernel or its launch (the grid order of
-:func:`.heuristics.heads_first_grid`): a change re-tunes."""
+:func:`.heuristics.grid_head_group`): a change re-tunes."""
 
 stats: Counter = Counter()
 """``tuned``: keys timed in this process; ``hits``: keys served from memory or disk."""

@@ -7,7 +7,7 @@ for short key lengths (:data:`_SHORT_KEYS`) and for calls without any mask
 (the Triton interpreter on CPU tensors, where small tiles keep tests fast and still cover
 several tiles per row). The candidates the autotuner times (:func:`attention_candidates`,
 :mod:`.autotune`) live here too, under the same constraints, and the grid's order
-(:func:`heads_first_grid`: causal calls with small K/V run every head's longest query tile
+(:func:`grid_head_group`: causal calls start the longest query tiles of a group of heads
 first).
 
 Constraints the launchers rely on (checked by :func:`attention_config`):
@@ -296,28 +296,42 @@ def attention_config(
     return cfg
 
 
-HEADS_FIRST_MAX_KV_BYTES = 16 << 20
-"""Largest K + V footprint (bytes, all batches and kv heads) of a causal call whose grid runs
-over the heads first (:func:`heads_first_grid`): about a third of the H100/H200's 50 MB L2."""
+GRID_GROUP_KV_BYTES = 16 << 20
+"""Most K + V bytes that one group of the causal grid reads (:func:`grid_head_group`): about
+a third of the H100/H200's 50 MB L2."""
 
 
-def heads_first_grid(is_causal: bool, kv_bytes: int) -> bool:
-    """Whether the attention grid is ``(B·Hq, n_m)`` (heads first) rather than ``(n_m, B·Hq)``.
+def grid_head_group(is_causal: bool, hq_per_kv: int, n_heads: int | None,
+                    kv_bytes_per_head: int | None) -> int:
+    """How many query heads (consecutive in the batch-major ``B·Hq`` order) the attention grid
+    interleaves: programs start group by group, and within a group query tile by query tile
+    across the group's heads (grid ``(group, n_m, cdiv(B·Hq, group))``).
 
-    A causal row tile's work grows with its index, and programs start in grid order. Query
-    tiles first (longest first within each head) leaves late heads' longest tiles starting
-    near the end of the launch, a tail on a few SMs; heads first starts every head's longest
-    tile before any shorter one (longest-processing-time-first). The price is L2 reuse: the
-    programs in flight then read the K/V of every (batch, kv head) instead of one head's.
-    Measured on an H200 (kernel alone, causal, D=64, 32/8 heads, NOTES.md session 21), heads
-    first against query tiles first with the table's 64×128 tile: 2-10 % faster at B=4 × 1K,
-    −2 to +5 % at B=4 × 4K, −0.5 to +5 % at B=1 × 16K (K + V up to 16 MiB; 64×64 tiles gain
-    10-18 %, 0-14 %, 2-14 %), but −3 to +6 % slower at B=1 × 32K (32-64 MiB). Non-causal calls (equal work per program) have
-    no tail to shorten: ±1 % at 1K and 4K, 4-16 % lost at B=4 × 16K, so they keep query tiles
-    first. ``kv_bytes``: K and V bytes the call reads, all batches and kv heads, in the
-    kernel's formats.
+    A causal row tile's work grows with its index, and programs start in grid order. One head
+    at a time (longest query tile first within each head, the order before session 21) leaves
+    the last heads' longest tiles starting near the end of the launch, a tail on a few SMs;
+    interleaving heads starts every head's longest tile before any of its shorter ones
+    (longest-processing-time-first). The price is L2 reuse: the programs in flight read the
+    K/V of every kv head of their group, so a group holds as many kv heads as fit
+    :data:`GRID_GROUP_KV_BYTES` (at least one, with all its query heads; all ``n_heads`` when
+    everything fits). Non-causal calls (equal work per program, no tail to shorten) take one
+    head at a time. Measured on an H200, kernel alone, the table's tiles (NOTES.md session
+    21): against one head at a time, these groups are 3-11 % faster at B=4 × 1K (32/8 heads,
+    D=64, one group), 2-7 % at B=1 × 16K (one group), 0-5 % at B=1 × 32K (two groups), 0-4 %
+    at B=4 × 16K, 32/32 heads, D=64 (16 groups; flash 0.4 % slower), and between 1 % slower
+    and 2.4 % faster at D=128 (32 groups); one group of all heads is as fast where it fits
+    but 0-6 % slower at B=1 × 32K and 10-66 % at B=4 × 16K. Non-causal calls, all heads in
+    one group: ±1 % at 1K and 4K, 4-16 % slower at B=4 × 16K.
+
+    ``n_heads``: ``B·Hq``; ``kv_bytes_per_head``: K and V bytes of one (batch, kv head) in
+    the kernel's formats. Either may be None (a size without a hint): one kv head's heads.
     """
-    return is_causal and kv_bytes <= HEADS_FIRST_MAX_KV_BYTES
+    if not is_causal:
+        return 1
+    if n_heads is None or kv_bytes_per_head is None:
+        return hq_per_kv
+    kv_heads = max(1, GRID_GROUP_KV_BYTES // max(1, kv_bytes_per_head))
+    return max(1, min(n_heads, kv_heads * hq_per_kv))
 
 
 # Autotuning candidates per arch and padded head dim (besides the table entry, tried first).

@@ -31,7 +31,7 @@ from .heuristics import (
     attention_candidates,
     attention_config,
     capability,
-    heads_first_grid,
+    grid_head_group,
     padded_dim,
     qk_block_dim,
 )
@@ -318,15 +318,14 @@ def _launch(
     if use_tma and not exact:
         ensure_tma_allocator()
     c0, c1, c2, c3 = SAS_POLY
-    kv_bytes = bsz * hkv * lkv * (ops.k.shape[-1] * ops.k.element_size()
-                                  + dv * ops.v.element_size())
-    heads_first = heads_first_grid(bool(is_causal), kv_bytes)
-    grid = (-(-lq // cfg.block_m), bsz * hq)
-    if heads_first:
-        grid = grid[::-1]
+    kv_row_bytes = ops.k.shape[-1] * ops.k.element_size() + dv * ops.v.element_size()
+    lkv_hint, n_bh_hint = _compat.size_hint(lkv), _compat.size_hint(bsz * hq)
+    group = grid_head_group(bool(is_causal), hq // hkv, n_bh_hint,
+                            None if lkv_hint is None else lkv_hint * kv_row_bytes)
+    grid = (group, -(-lq // cfg.block_m), -(-(bsz * hq) // group))
     launcher(ak.attention_kernel, ops.q)[grid](
         ops.q, ops.k, ops.v, out, qs, ks, vs, ds, vmean, mvals, msum, mtiles, mcount, colsum,
-        lq, lkv, hq, hq // hkv,
+        lq, lkv, hq, hq // hkv, bsz * hq,
         qk_scale, ops.sas_threshold * LOG2E, c0, c1, c2, c3,
         *ops.q.stride(), *ops.k.stride(), *v_strides, *out.stride(),
         *qs_strides, *ks_strides, *vs_strides, *ds_strides, *vm_strides, *cs_strides,
@@ -339,7 +338,7 @@ def _launch(
         HEAD_D=dim, HEAD_DV=dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=qk_block_dim(dim, ops.switches["QK_FMT"] == int(ak.QK_INT4)),
-        BLOCK_DV=padded_dim(dv), HEADS_FIRST=heads_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_DV=padded_dim(dv), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **{name: int(value) for name, value in ops.switches.items()},
     )
 
