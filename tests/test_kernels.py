@@ -738,6 +738,10 @@ def test_supports_reasons():
     assert "static" in supports(shape, shape, shape, torch.float16, cpu, "fmha_int8", static)
     assert "head dim 0" in supports((1, 2, 16, 0), (1, 2, 16, 0), shape, torch.float16, cpu,
                                     "flash", None)
+    many_heads, kv = (1024, 128, 16, 64), (1024, 1, 16, 64)
+    assert "65535 batch" in supports(many_heads, kv, kv, torch.float16, cpu, "flash", None)
+    long_q = (1, 2, 65535 * 32 + 1, 64)
+    assert "query tiles" in supports(long_q, shape, shape, torch.float16, cpu, "flash", None)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,11 @@ V_COLSUM_TOKENS = 32
 correction; every ``block_n`` is a multiple of it (the kernel adds ``block_n / 32`` sums)."""
 
 
+MIN_BLOCK_M = 32
+"""The smallest query tile any config may have (:func:`attention_config` checks): it bounds
+how many query tiles a call has, one grid axis of at most 65535."""
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Launch parameters of the attention kernel: a ``block_m`` × ``block_n`` score tile."""
@@ -283,6 +288,8 @@ def attention_config(
         table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv, keys,
                               unmasked)
         cfg = _constrained(table, per_block_v, smooth_q)
+    if cfg.block_m < MIN_BLOCK_M:
+        raise ValueError(f"block_m={cfg.block_m} must be at least {MIN_BLOCK_M}")
     for unit in sorted({V_KEY_BLOCK, V_COLSUM_TOKENS}):
         if cfg.block_n % unit:
             raise ValueError(f"block_n={cfg.block_n} must be a multiple of {unit}")

@@ -25,6 +25,7 @@ from ..reference.sas import SAS_POLY
 from . import attention as ak
 from . import autotune
 from .heuristics import (
+    MIN_BLOCK_M,
     V_COLSUM_TOKENS,
     AttentionConfig,
     arch_of,
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256
+MAX_GRID_AXIS = 65535
+"""CUDA's limit on a grid's second and third axes (query tiles; groups of heads)."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_PRESETS = ("sage2_8b", "sage2_4b", "fp8")
 
@@ -319,9 +322,8 @@ def _launch(
         ensure_tma_allocator()
     c0, c1, c2, c3 = SAS_POLY
     kv_row_bytes = ops.k.shape[-1] * ops.k.element_size() + dv * ops.v.element_size()
-    lkv_hint, n_bh_hint = _compat.size_hint(lkv), _compat.size_hint(bsz * hq)
-    group = grid_head_group(bool(is_causal), hq // hkv, n_bh_hint,
-                            None if lkv_hint is None else lkv_hint * kv_row_bytes)
+    group = grid_head_group(bool(is_causal), hq // hkv, _compat.size_hint(bsz * hq),
+                            _compat.size_hint(lkv * kv_row_bytes))
     grid = (group, -(-lq // cfg.block_m), -(-(bsz * hq) // group))
     launcher(ak.attention_kernel, ops.q)[grid](
         ops.q, ops.k, ops.v, out, qs, ks, vs, ds, vmean, mvals, msum, mtiles, mcount, colsum,
@@ -387,6 +389,9 @@ def _unsupported(q_shape, k_shape, v_shape, dtype, device: torch.device, preset:
                 f"v {tuple(v_shape)} disagree")
     if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
         return f"query heads {q_shape[1]} not a multiple of key/value heads {k_shape[1]}"
+    if q_shape[0] * q_shape[1] > MAX_GRID_AXIS or q_shape[2] > MAX_GRID_AXIS * MIN_BLOCK_M:
+        return (f"q {tuple(q_shape)}: the kernel's grid holds at most {MAX_GRID_AXIS} batch × "
+                f"query heads and {MAX_GRID_AXIS} query tiles of {MIN_BLOCK_M} rows")
     if dtype not in _DTYPES:
         return f"dtype {dtype} (kernels take float16, bfloat16, float32)"
     if device.type == "cuda":
