@@ -140,7 +140,7 @@ _NATIVE_PV: dict[tuple[str, int, str], AttentionConfig] = {
 # fp8 D=128 387 / 340, 551 / 513, 674 / 674 at 4K; sage2_8b D=64 with 64×64 pointer loads
 # 241 / 225 at 1K (non-causal 359 / 341), 325 / 333 at 2K. int_flash keeps its tile
 # (64×64: 269 / 299 at 1K, D=128). Not applied to a native P·V (no measurement). fp8 D=64
-# at 1K since the heads-first causal grid (session 21, H200, B=4, 32/8 heads, kernel alone):
+# at 1K since the causal grid interleaves heads (session 21, H200, B=4, 32/8 heads, alone):
 # 52.0 µs with 64×64 pointer loads against 57.5 with the table's 64×128 (causal), but 81.4
 # against 78.8 without a mask (causal prefill is the common short call).
 _SHORT_KEYS: dict[tuple[str, int, str], tuple[int, AttentionConfig]] = {
