@@ -39,9 +39,12 @@ V_COLSUM_TOKENS = 32
 correction; every ``block_n`` is a multiple of it (the kernel adds ``block_n / 32`` sums)."""
 
 
+MAX_GRID_AXIS = 65535
+"""CUDA's limit on a grid's second and third axes, which hold the attention kernel's query
+tiles and its groups of heads (:func:`grid_head_group`)."""
 MIN_BLOCK_M = 32
-"""The smallest query tile any config may have (:func:`attention_config` checks): it bounds
-how many query tiles a call has, one grid axis of at most 65535."""
+"""The smallest query tile any config may have (:func:`attention_config` checks): with
+:data:`MAX_GRID_AXIS` it bounds the query length a call may have."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from ..reference.sas import SAS_POLY
 from . import attention as ak
 from . import autotune
 from .heuristics import (
+    MAX_GRID_AXIS,
     MIN_BLOCK_M,
     V_COLSUM_TOKENS,
     AttentionConfig,
@@ -52,8 +53,6 @@ logger = logging.getLogger(__name__)
 
 LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256
-MAX_GRID_AXIS = 65535
-"""CUDA's limit on a grid's second and third axes (query tiles; groups of heads)."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_PRESETS = ("sage2_8b", "sage2_4b", "fp8")
 
