@@ -13,9 +13,9 @@ calls SDPA with ``is_causal``). Modes:
 - ``eager-cudnn``: the block as is, SDPA restricted to the cuDNN backend;
 - ``inductor-cudnn``: ``torch.compile`` (Inductor) of the block, SDPA restricted to cuDNN;
 - ``inductor``: ``torch.compile`` with SDPA's own backend choice;
-- ``qattn:<preset>``: ``backend="qattn"`` with the preset on the site (the quantizers are
-  Inductor ops fused with RoPE, the attention kernel inlined); ``--autotune`` adds the
-  same with the ``autotune`` option;
+- ``qattn:<preset>[:key=value…]``: ``backend="qattn"`` with the preset (and those options)
+  on the site (the quantizers are Inductor ops fused with RoPE, the attention kernel
+  inlined); ``--autotune`` adds the same with the ``autotune`` option;
 - ``qattn:fmha_int8:static`` (``--static``): ``fmha_int8`` with ``scales: static``, α
   calibrated on the block's own input (amax per head of the Q, K, V that the eager block
   hands SDPA): Q and K quantize pointwise with a constant scale, so Inductor writes RoPE
@@ -98,7 +98,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    parser.add_argument("--presets", nargs="+", default=["sage2_8b", "int_flash", "fp8"])
+    parser.add_argument("--presets", nargs="+", default=["sage2_8b", "int_flash", "fp8"],
+                        help="presets, each optionally with options: fp8:granularity=block")
     parser.add_argument("--autotune", action="store_true", help="also time each preset autotuned")
     parser.add_argument("--static", action="store_true",
                         help="also time fmha_int8 with static scales calibrated on the input")
@@ -129,10 +130,11 @@ def main() -> None:
                 fn = torch.compile(block)
             else:
                 _, preset, *flags = mode.split(":")
-                policy = {"qattn": 1, "default": preset}
+                options = dict(flag.split("=", 1) for flag in flags if "=" in flag)
                 if "static" in flags:
                     alphas = calibrated_scales(block, hidden, cos_sin)
-                    policy["default_options"] = {"scales": "static", "static_scales": alphas}
+                    options.update(scales="static", static_scales=alphas)
+                policy = {"qattn": 1, "default": preset, "default_options": options}
                 be = qattn_compile.backend(policy, autotune="autotune" in flags)
                 fn = torch.compile(block, backend=be)
             row = {"shape": shape, "mode": mode}

@@ -8,6 +8,9 @@ A quantization *granularity* names how many consecutive tokens share one scale:
   :data:`QUANT_BLOCK_KV` in this mode.
 - ``block``: groups of :data:`QUANT_BLOCK_Q` query tokens / :data:`QUANT_BLOCK_KV` key or
   value tokens (SageAttention's per-block scheme; TurboAttention's B_r / B_c blocks).
+- ``q_token``: every query token has its own scale, keys and values per
+  :data:`QUANT_BLOCK_KV` tokens (``fp8``). A query's scale multiplies its score row, which
+  the kernel does once per tile; a per-key scale would cost a multiply per score.
 - ``tensor``: one scale per (batch, head).
 
 Kernels load scales by token index (``token // group``), so most tile sizes work with any
@@ -39,10 +42,13 @@ def group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
     """Tokens per scale for (Q, K/V) under ``granularity``; ``tensor`` spans the whole length."""
     if granularity == "token":
         return 1, 1
+    if granularity == "q_token":
+        return 1, QUANT_BLOCK_KV
     if granularity == "warp":
         return QUANT_WARP_Q, QUANT_BLOCK_KV
     if granularity == "block":
         return QUANT_BLOCK_Q, QUANT_BLOCK_KV
     if granularity == "tensor":
         return max(q_len, 1), max(kv_len, 1)
-    raise ValueError(f"unknown granularity {granularity!r}; expected token, warp, block or tensor")
+    raise ValueError(f"unknown granularity {granularity!r}; expected token, q_token, warp, "
+                     "block or tensor")

@@ -68,7 +68,8 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     subset of those below the row's), and a tile is still skipped only when all its scores
     are below the running row max + threshold.
 ``fp8``
-    FlashAttention-3-style FP8: Q, K, V FP8 e4m3 (scale amax/448) per tensor or per block,
+    FlashAttention-3-style FP8: Q, K, V FP8 e4m3 (scale amax/448) per ``granularity``:
+    ``tensor``, ``block``, or ``q_token`` (Q per token, K and V per block).
     ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
 ``none``
     Leave the site as it is.
@@ -253,8 +254,9 @@ class TurboOptions(KernelOptions):
 class Fp8Options(KernelOptions):
     """Options of ``fp8`` (FlashAttention-3-style FP8)."""
 
-    granularity: Literal["tensor", "block"] = Field(
-        "tensor", description="FP8 scale per tensor or per block of tokens."
+    granularity: Literal["tensor", "block", "q_token"] = Field(
+        "tensor", description="FP8 scales per tensor, per block of tokens, or per token for "
+        "Q with K and V per block (q_token)."
     )
 
 

@@ -315,6 +315,17 @@ def test_lowered_int8_quantizer_matches_the_kernel(group):
         assert torch.equal(got_data, want.data) and torch.equal(got_scale, want.scale), kwargs
 
 
+@pytest.mark.parametrize("group", [1, 16, 45])
+def test_lowered_fp8_quantizer_matches_the_kernel(group):
+    x = make_qkv(hq=3, lq=45, d=40, k_outliers=True)[1]
+    for scale_mul in (1.0, 0.3):
+        got_data, got_scale = lowered.quantize_fp8(x, group, scale_mul=scale_mul)
+        want = kq.quantize_fp8(x, group, scale_mul=scale_mul)
+        assert got_data.dtype == want.data.dtype == torch.float8_e4m3fn
+        assert torch.equal(got_data.float(), want.data.float()), (group, scale_mul)
+        assert torch.equal(got_scale, want.scale), (group, scale_mul)
+
+
 def test_lowered_means_match_the_kernels():
     q, k, _ = make_qkv(hq=4, hkv=2, lq=300, lkv=70, d=48, dtype=torch.float32, k_outliers=True)
     for x, group in ((k, None), (q, SMOOTH_Q_BLOCK)):
@@ -322,15 +333,18 @@ def test_lowered_means_match_the_kernels():
                                    rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("preset", ["int_flash", "fmha_int8", "sage2_8b", "turbo"])
-def test_attention_on_lowered_quantizers(preset, monkeypatch):
+@pytest.mark.parametrize("preset,options", [
+    ("int_flash", {}), ("fmha_int8", {}), ("sage2_8b", {}), ("turbo", {}), ("fp8", {}),
+    ("fp8", {"granularity": "q_token"}),
+])
+def test_attention_on_lowered_quantizers(preset, options, monkeypatch):
     """The attention kernel on operands from the torch-form quantizers (as under
     torch.compile): the same output as with the quantizer kernels, up to the order of the
     smoothing sums."""
     q, k, v = make_qkv(hq=4, hkv=2, lq=70, lkv=90, d=64)
-    quantizer_kernels = kernel_attention(q, k, v, is_causal=True, preset=preset)
+    quantizer_kernels = kernel_attention(q, k, v, is_causal=True, preset=preset, options=options)
     monkeypatch.setattr(lowered, "decomposed", lambda x: True)
-    out, _, _ = check_against_reference(q, k, v, preset, is_causal=True)
+    out, _, _ = check_against_reference(q, k, v, preset, options, is_causal=True)
     assert (out.float() - quantizer_kernels.float()).abs().max() <= 2e-3
 
 
@@ -535,6 +549,7 @@ def test_presets_additive_mask_and_causal(preset):
         ("turbo", {"p_scale": "row"}),
         ("turbo", {"sas_threshold": -3.0}),
         ("fp8", {"granularity": "block"}),
+        ("fp8", {"granularity": "q_token"}),
     ],
 )
 def test_preset_options(preset, options):

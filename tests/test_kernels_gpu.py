@@ -132,6 +132,7 @@ def test_gpu_bf16(preset):
         ("turbo", {"exp": "hardware"}),
         ("turbo", {"p_scale": "row"}),
         ("fp8", {"granularity": "block"}),
+        ("fp8", {"granularity": "q_token"}),
     ],
 )
 def test_gpu_preset_options(preset, options):

@@ -54,6 +54,7 @@ def _run(q, k, v, preset, cfg, options=None, mask=None, causal=False, descriptor
         ("sage2_8b", None),
         ("sage2_4b", None),  # packed INT4 rows of 32/40 bytes: D=80 falls back to pointers
         ("fp8", {"granularity": "block"}),
+        ("fp8", {"granularity": "q_token"}),
         ("fmha_int8", None),
         ("turbo", None),
     ],

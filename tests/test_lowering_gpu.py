@@ -86,16 +86,17 @@ class RotaryAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-@pytest.mark.parametrize("preset", ["int_flash", "sage2_8b", "turbo"])
+@pytest.mark.parametrize("preset", ["int_flash", "sage2_8b", "turbo", "fp8"])
 def test_quantizers_fuse_with_rope(preset):
-    """Under torch.compile the Q/K quantizers (smoothing means, INT8 quantization) are
-    Inductor ops: RoPE's rotation and the quantizer's rounding land in the same generated
-    kernel (not for sage2_8b, see below)."""
+    """Under torch.compile the Q/K quantizers (smoothing means, INT8 quantization, FP8 per
+    token) are Inductor ops: RoPE's rotation and the quantizer's rounding land in the same
+    generated kernel (not for sage2_8b, see below)."""
     _compat.reset_dynamo()
     q, k, v = _inputs()
     angles = torch.rand(777, 128, device="cuda") * 6.28
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    be = qattn_compile.backend({"qattn": 1, "default": preset})
+    options = {"granularity": "q_token"} if preset == "fp8" else {}
+    be = qattn_compile.backend({"qattn": 1, "default": preset, "default_options": options})
     compiled = torch.compile(RotaryAttention(), backend=be, fullgraph=True)
     out, codes = _compat.run_and_get_code(compiled, q, k, v, cos, sin)
     code = "\n".join(codes)
@@ -105,14 +106,17 @@ def test_quantizers_fuse_with_rope(preset):
     # RoPE (rotate_half's cat) and the quantizer's rounding in one kernel. Not for sage2_8b:
     # its ΔS GEMM reads the rotated K, and its Q is one quantizer pass of ours (block means
     # and group scales together) over the rotated Q.
-    sage = preset == "sage2_8b"
-    fused = [n for n in names if "round" in n and "cat" in n]
+    # fp8 (q_token): Q's amax and rounding per token with RoPE; K per block of keys is one
+    # pass of ours (in-tile amax) over the rotated K, as is V.
+    sage, fp8 = preset == "sage2_8b", preset == "fp8"
+    rounding = "amax" if fp8 else "round"
+    fused = [n for n in names if rounding in n and "cat" in n]
     assert sage or fused, names
     # The transposed 8-bit V's quantizer (after its statistics kernel where one scale spans
     # more tokens than a tile: int_flash per tensor, sage2_8b per channel); sage2_8b also
     # its smoothed Q (one pass) and ΔS.
-    assert user.count("_quantize_kernel") == (2 if sage else 1), user
-    assert ("_token_stats_kernel" in user) == (preset != "turbo"), user
+    assert user.count("_quantize_kernel") == (2 if sage or fp8 else 1), user
+    assert ("_token_stats_kernel" in user) == (preset in ("int_flash", "sage2_8b")), user
     assert user.count("_stats_finish_kernel") == user.count("_token_stats_kernel"), user
     assert ("_delta_s_kernel" in user) == sage, user
     rotated = [t.float() * cos + torch.cat((-t.float()[..., 64:], t.float()[..., :64]), -1) * sin

@@ -216,6 +216,7 @@ NORMAL_BOUNDS = {
     ("turbo", (("exp", "hardware"),)): (0.01, 0.04),  # 2.3 %
     ("fp8", None): (0.03, 0.09),  # 5.3 %
     ("fp8", (("granularity", "block"),)): (0.03, 0.09),  # 5.4 %
+    ("fp8", (("granularity", "q_token"),)): (0.03, 0.09),  # 5.2 %
 }
 
 

@@ -197,7 +197,7 @@ def _prepare_turbo(q, k, v, opts, qk_mul, static, causal) -> Operands:
 
 
 def _prepare_fp8(q, k, v, opts, qk_mul, static, causal) -> Operands:
-    """FlashAttention-3-style FP8: Q, K, V e4m3 per tensor/block; P = fp8(448·P)."""
+    """FlashAttention-3-style FP8: Q, K, V e4m3 per tensor/block/q_token; P = fp8(448·P)."""
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes(opts.granularity, lq, lkv)
     qq = quantize_fp8(q, gq, scale_mul=qk_mul)

@@ -627,6 +627,15 @@ def quantize_int_smoothed(
     return Quantized(data, scale, group, packed=num_bits == 4, mean=mean)
 
 
+def _fp8_decomposed(x: Tensor, group: int) -> bool:
+    """Whether FP8 quantization of ``x`` over ``group`` tokens takes its torch form: while
+    torch traces, per token (Inductor fuses RoPE, the amax over D and the rounding into one
+    kernel) and per tensor (its split reduction beat :func:`token_stats`); groups that fit a
+    tile stay one pass of :func:`_quantize_kernel`, which Inductor's reduction kernel plus
+    rounding kernel lost to (the 1K block, H100: benchmarks/NOTES.md, session 22)."""
+    return lowered.decomposed(x) and (group == 1 or not _fits_in_tile(group))
+
+
 def quantize_fp8(
     x: Tensor,
     group: int,
@@ -639,6 +648,9 @@ def quantize_fp8(
     x: ``[B, H, L, D]``. Returns float8_e4m3fn ``[B, H, L, D]`` or, with ``transpose``,
     ``[B, H, D, L_pad]``; scales float32 ``[B, H, n_groups]`` times ``scale_mul``.
     """
+    if not transpose and _fp8_decomposed(x, group):
+        data, scale = lowered.quantize_fp8(x, group, scale_mul=scale_mul)
+        return Quantized(data, scale, group)
     data = _alloc_8bit(x, torch.float8_e4m3fn, transpose)
     in_tile = _fits_in_tile(group)
     scale_in = None if in_tile else _group_scale(x, group, FP8_MAX, None, None)

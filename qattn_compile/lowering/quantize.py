@@ -4,8 +4,9 @@ While torch traces the ``attention_triton`` op (fake or functional tensors: insi
 ``torch.compile``), :mod:`qattn_compile.kernels.quantize` hands the quantizers that have a
 torch form to this module instead of launching its Triton kernels (:func:`decomposed`).
 Inductor then generates them and fuses them with what produces Q and K: RoPE, the K
-smoothing mean and the per-group INT8 quantization of K read the projection's output in
-the same kernels instead of a materialized rotated K. The transposed 8-bit V stays the
+smoothing mean, the per-group INT8 quantization of K and the per-token FP8 quantization
+of Q read the projection's output in the same kernels instead of a materialized rotated
+tensor. The transposed 8-bit V stays the
 Triton quantizer (a projection output straight from cuBLAS has no producer to fuse with,
 and its token permutation as torch ops was a gather, 3× slower). SageAttention2 keeps two Triton
 kernels of :mod:`qattn_compile.kernels.quantize` (inlined too): its ΔS GEMM (as torch ops it
@@ -16,7 +17,8 @@ scales in one pass; in torch form Inductor wrote the rotated Q and read it three
 
 The math is the reference's own code (:mod:`qattn_compile.reference.quant` and
 :mod:`~qattn_compile.reference.smooth`, plain torch ops): the Triton kernels match it bit
-for bit on the INT8 values; only the order of the sums in the smoothing means may differ.
+for bit on the INT8 and FP8 values; only the order of the sums in the smoothing means may
+differ (on CUDA, Inductor's code may also round a scale differently in its last bit).
 Shapes: ``x`` ``[B, H, L, D]`` (any float dtype, any strides); scales float32 ``[B, H,
 n_groups]``.
 """
@@ -56,6 +58,17 @@ def quantize_int8(
     if mean is not None:
         values = values - smooth.expand_blocks(mean, mean_group or length, length)
     data, scale = quant.quantize_int(values, group, 8, amax=amax)
+    return data, scale * scale_mul
+
+
+def quantize_fp8(x: Tensor, group: int, *, scale_mul: float = 1.0) -> tuple[Tensor, Tensor]:
+    """FP8 e4m3 over groups of ``group`` tokens (:func:`~qattn_compile.reference.quant.
+    quantize_fp8`, scale amax/448); ``(data, scale · scale_mul)``, data float8_e4m3fn
+    ``[B, H, L, D]``. Per token, Inductor writes RoPE, the token's amax and the rounding in
+    one kernel (a persistent reduction over D). On CUDA, Inductor folds the division by 448
+    into a multiply by its reciprocal, so a scale can differ from the kernels' in its last
+    bit (as the INT8 quantizers' can)."""
+    data, scale = quant.quantize_fp8(x, group)
     return data, scale * scale_mul
 
 
