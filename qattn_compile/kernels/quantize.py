@@ -630,9 +630,10 @@ def quantize_int_smoothed(
 def _fp8_decomposed(x: Tensor, group: int) -> bool:
     """Whether FP8 quantization of ``x`` over ``group`` tokens takes its torch form: while
     torch traces, per token (Inductor fuses RoPE, the amax over D and the rounding into one
-    kernel) and per tensor (its split reduction beat :func:`token_stats`); groups that fit a
-    tile stay one pass of :func:`_quantize_kernel`, which Inductor's reduction kernel plus
-    rounding kernel lost to (the 1K block, H100: benchmarks/NOTES.md, session 22)."""
+    kernel) and for groups larger than a tile, i.e. per tensor (Inductor's split reduction
+    beat :func:`token_stats`); other groups that fit a tile stay one pass of
+    :func:`_quantize_kernel`, which Inductor's reduction kernel plus rounding kernel lost to
+    (the 1K block, H100: benchmarks/NOTES.md, session 22)."""
     return lowered.decomposed(x) and (group == 1 or not _fits_in_tile(group))
 
 
@@ -646,7 +647,8 @@ def quantize_fp8(
     """FP8 e4m3 quantization over token groups (reference ``quantize_fp8``), scale amax/448.
 
     x: ``[B, H, L, D]``. Returns float8_e4m3fn ``[B, H, L, D]`` or, with ``transpose``,
-    ``[B, H, D, L_pad]``; scales float32 ``[B, H, n_groups]`` times ``scale_mul``.
+    ``[B, H, D, L_pad]``; scales float32 ``[B, H, n_groups]`` times ``scale_mul``. While
+    torch traces, the torch form where :func:`_fp8_decomposed` says.
     """
     if not transpose and _fp8_decomposed(x, group):
         data, scale = lowered.quantize_fp8(x, group, scale_mul=scale_mul)
