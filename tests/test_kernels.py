@@ -163,6 +163,22 @@ def test_quantize_fp8_bit_exact(group):
     assert torch.equal(got.scale, ref_scale)
 
 
+@pytest.mark.parametrize("group,v_dim", [(64, 40), (32, 40), (64, 48), (600, 40)])
+def test_quantize_fp8_kv_matches_the_reference(group, v_dim):
+    """K and V in one launch (groups that fit a tile, one shape for both) or two (a V of
+    another head dim, a group larger than a tile): each bit-exact against the reference,
+    V stored transposed; odd length, K channel outliers."""
+    _, k, v = make_qkv(hq=2, hkv=2, lq=77, d=40, dtype=torch.float16, k_outliers=True)
+    v = torch.randn(*v.shape[:-1], v_dim, dtype=torch.float16) * 3
+    got_k, got_v = kq.quantize_fp8_kv(k, v, group)
+    for got, x in ((got_k, k), (got_v, v)):
+        ref_q, ref_scale = rq.quantize_fp8(x, group)
+        data = kq.v_in_token_order(got.data, 77) if got.transposed else got.data
+        assert torch.equal(data.view(torch.uint8), ref_q.view(torch.uint8))
+        assert torch.equal(got.scale, ref_scale)
+    assert got_v.transposed and not got_k.transposed
+
+
 @pytest.mark.parametrize("smooth", [False, True])
 def test_quantize_fp8_per_channel(smooth):
     v = torch.randn(1, 2, 45, 80) + torch.linspace(-3, 3, 80)
@@ -318,12 +334,15 @@ def test_lowered_int8_quantizer_matches_the_kernel(group):
 @pytest.mark.parametrize("group", [1, 16, 45])
 def test_lowered_fp8_quantizer_matches_the_kernel(group):
     x = make_qkv(hq=3, lq=45, d=40, k_outliers=True)[1]
-    for scale_mul in (1.0, 0.3):
-        got_data, got_scale = lowered.quantize_fp8(x, group, scale_mul=scale_mul)
+    per_head_view = x.transpose(1, 2).contiguous().transpose(1, 2)  # [B, L, H, D] memory
+    for scale_mul, src in ((1.0, x), (0.3, x), (0.3, per_head_view)):
+        got_data, got_scale = lowered.quantize_fp8(src, group, scale_mul=scale_mul)
         want = kq.quantize_fp8(x, group, scale_mul=scale_mul)
         assert got_data.dtype == want.data.dtype == torch.float8_e4m3fn
         assert torch.equal(got_data.float(), want.data.float()), (group, scale_mul)
         assert torch.equal(got_scale, want.scale), (group, scale_mul)
+        if group == 1 and src is per_head_view:  # per-token scales in the rows' memory order
+            assert got_scale.stride() == (45 * 3, 1, 3), got_scale.stride()
 
 
 def test_lowered_means_match_the_kernels():

@@ -238,6 +238,13 @@ def test_gpu_quantizers_bit_exact(group):
     assert torch.equal(kq.v_in_token_order(got.data, 1000).cpu().view(torch.uint8),
                        ref_q.view(torch.uint8))
     assert torch.equal(got.scale.cpu(), ref_scale)
+    k = x.flip(-2) * 3  # K and V in one launch (fp8's block and q_token granularities)
+    got_k, got_v = kq.quantize_fp8_kv(k, x, group)
+    ref_q, ref_scale = rq.quantize_fp8(k.cpu(), group)
+    assert torch.equal(got_k.data.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(got_k.scale.cpu(), ref_scale)
+    assert torch.equal(got_v.data.view(torch.uint8), got.data.view(torch.uint8))
+    assert torch.equal(got_v.scale, got.scale)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -106,8 +106,8 @@ def test_quantizers_fuse_with_rope(preset):
     # RoPE (rotate_half's cat) and the quantizer's rounding in one kernel. Not for sage2_8b:
     # its ΔS GEMM reads the rotated K, and its Q is one quantizer pass of ours (block means
     # and group scales together) over the rotated Q.
-    # fp8 (q_token): Q's amax and rounding per token with RoPE; K per block of keys is one
-    # pass of ours (in-tile amax) over the rotated K, as is V.
+    # fp8 (q_token): Q's amax and rounding per token with RoPE; K per block of keys and V
+    # are one launch of ours (in-tile amax) over the rotated K and V.
     sage, fp8 = preset == "sage2_8b", preset == "fp8"
     rounding = "amax" if fp8 else "round"
     fused = [n for n in names if rounding in n and "cat" in n]
@@ -115,7 +115,8 @@ def test_quantizers_fuse_with_rope(preset):
     # The transposed 8-bit V's quantizer (after its statistics kernel where one scale spans
     # more tokens than a tile: int_flash per tensor, sage2_8b per channel); sage2_8b also
     # its smoothed Q (one pass) and ΔS.
-    assert user.count("_quantize_kernel") == (2 if sage or fp8 else 1), user
+    assert user.count("_quantize_kernel") == (2 if sage else 0 if fp8 else 1), user
+    assert user.count("_quantize_kv_kernel") == fp8, user
     assert ("_token_stats_kernel" in user) == (preset in ("int_flash", "sage2_8b")), user
     assert user.count("_stats_finish_kernel") == user.count("_token_stats_kernel"), user
     assert ("_delta_s_kernel" in user) == sage, user
@@ -142,18 +143,21 @@ class ProjectedAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, length, -1))
 
 
-@pytest.mark.parametrize("preset", ["int_flash", "sage2_8b", "fp8"])
-def test_attention_output_feeds_the_projection_without_a_copy(preset):
+@pytest.mark.parametrize("preset,options", [
+    ("int_flash", {}), ("sage2_8b", {}), ("fp8", {}), ("fp8", {"granularity": "q_token"}),
+])
+def test_attention_output_feeds_the_projection_without_a_copy(preset, options):
     """The generated code launches nothing between the attention kernel and the output
     projection's GEMM (the output is stored ``[B, L, H, D]``, so the transpose is a view),
     fills no one-element stand-ins for absent kernel operands, does not copy the 8-bit Q
     (one tensor passed as several kernel arguments is copied per argument), and copies no
-    statistics out of a shared buffer."""
+    statistics out of a shared buffer. fp8's per-token Q scales are laid out as Q's rows
+    (``[B, L, H]`` memory) and reach the kernel without a copy."""
     _compat.reset_dynamo()
     model = ProjectedAttention().to("cuda", torch.bfloat16)
     x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    be = qattn_compile.backend({"qattn": 1, "default": preset})
+    be = qattn_compile.backend({"qattn": 1, "default": preset, "default_options": options})
     with torch.no_grad():
         out, codes = _compat.run_and_get_code(torch.compile(model, backend=be, fullgraph=True), x, k, v)
         want = model(x, k, v)
@@ -166,6 +170,9 @@ def test_attention_output_feeds_the_projection_without_a_copy(preset):
     eight_bit_q = re.findall(r"empty_strided_cuda\(\(2, 8, 300, 64\), [^)]*\), torch\.(?:int8|float8)", code)
     assert len(eight_bit_q) == 1, f"the 8-bit Q is copied: {eight_bit_q}"
     assert not re.findall(r"def triton_\w*fused_select_\d+\(", code)
+    q_scales = re.findall(r"empty_strided_cuda\(\(2, 8, 300\), \(\d+, \d+, \d+\), torch\.float32", code)
+    if options:
+        assert q_scales == ["empty_strided_cuda((2, 8, 300), (2400, 1, 8), torch.float32"], q_scales
     assert compare(out, want)["cos"] > 0.995
 
 

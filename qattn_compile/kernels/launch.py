@@ -43,6 +43,7 @@ from .quantize import (
     Quantized,
     delta_s,
     quantize_fp8,
+    quantize_fp8_kv,
     quantize_fp8_per_channel,
     quantize_int,
     quantize_int_smoothed,
@@ -201,8 +202,7 @@ def _prepare_fp8(q, k, v, opts, qk_mul, static, causal) -> Operands:
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = group_sizes(opts.granularity, lq, lkv)
     qq = quantize_fp8(q, gq, scale_mul=qk_mul)
-    kq = quantize_fp8(k, gk)
-    vq = quantize_fp8(v, gk, transpose=True)
+    kq, vq = quantize_fp8_kv(k, v, gk)
     ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_FP8, ak.P_FP8, ak.V_FP8))
     return _with_v(_with_q(ops, qq, kq), vq)
 

@@ -209,8 +209,9 @@ def _stats_finish_kernel(
 
 
 @triton.jit
-def _quantize_kernel(
+def _quantize_tile(
     x_ptr, mean_ptr, scale_in_ptr, q_ptr, scale_out_ptr, colsum_ptr,
+    pid_t, bh,
     L, L_out, D, n_heads, mean_group, scale_group, scale_mul,
     sxb, sxh, sxl, sxd,
     smb, smh, smg,
@@ -223,8 +224,9 @@ def _quantize_kernel(
     OUT_FMT: tl.constexpr, EXACT_FP8: tl.constexpr, COLSUM: tl.constexpr,
     V_ORDER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Quantize tokens ``[t0, t0 + BLOCK_T)`` of one (batch, head) (grid ``(cdiv(L, BLOCK_T),
-    B*H)``).
+    """Quantize tokens ``[pid_t · BLOCK_T, (pid_t + 1) · BLOCK_T)`` of (batch, head) ``bh``
+    (flattened ``b · n_heads + h``): the body of :func:`_quantize_kernel` and of
+    :func:`_quantize_kv_kernel`.
 
     x: ``[B, H, L, D]``; mean ``[B, H, n, D]`` float32, token ``t`` subtracts row ``t //
     mean_group`` (strides ``smb, smh, smg``; channel stride 1): read per token (``MEAN_MODE``
@@ -244,8 +246,6 @@ def _quantize_kernel(
     ``COLSUM`` > 0 (INT only): also the int32 channel sums of the quantized values per chunk
     of ``COLSUM`` tokens, ``colsum[bh, chunk, d]`` (``[B*H, n_colsum, D]`` contiguous).
     """
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -313,6 +313,74 @@ def _quantize_kernel(
             sums = tl.sum(tl.reshape(q_int, (chunks, COLSUM, BLOCK_D)), axis=1)
             c_idx = pid_t * chunks + tl.arange(0, chunks)
             store_tile(colsum_ptr + bh * n_colsum * D, sums, c_idx, cols, D, 1, n_colsum, D)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, mean_ptr, scale_in_ptr, q_ptr, scale_out_ptr, colsum_ptr,
+    L, L_out, D, n_heads, mean_group, scale_group, scale_mul,
+    sxb, sxh, sxl, sxd,
+    smb, smh, smg,
+    ssb, ssh, ssg,
+    sqb, sqh, sql, sqd,
+    n_groups_out, n_colsum,
+    QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+    SCALE_MODE: tl.constexpr, GROUP: tl.constexpr,
+    MEAN_MODE: tl.constexpr, MEAN_GROUP: tl.constexpr,
+    OUT_FMT: tl.constexpr, EXACT_FP8: tl.constexpr, COLSUM: tl.constexpr,
+    V_ORDER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One tile of :func:`_quantize_tile` per program (grid ``(cdiv(L, BLOCK_T), B*H)``)."""
+    _quantize_tile(
+        x_ptr, mean_ptr, scale_in_ptr, q_ptr, scale_out_ptr, colsum_ptr,
+        tl.program_id(0), tl.program_id(1),
+        L, L_out, D, n_heads, mean_group, scale_group, scale_mul,
+        sxb, sxh, sxl, sxd, smb, smh, smg, ssb, ssh, ssg, sqb, sqh, sql, sqd,
+        n_groups_out, n_colsum,
+        QMAX, AMAX_FLOOR, SCALE_MODE, GROUP, MEAN_MODE, MEAN_GROUP, OUT_FMT, EXACT_FP8, COLSUM,
+        V_ORDER, BLOCK_T, BLOCK_D,
+    )
+
+
+@triton.jit
+def _quantize_kv_kernel(
+    k_ptr, v_ptr, kq_ptr, vq_ptr, k_scale_ptr, v_scale_ptr,
+    L, L_pad, D, n_heads, n_groups,
+    skb, skh, skl, skd,
+    svb, svh, svl, svd,
+    sqkb, sqkh, sqkl, sqkd,
+    sqvb, sqvh, sqvl, sqvd,
+    QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, GROUP: tl.constexpr,
+    OUT_FMT: tl.constexpr, EXACT_FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """K row-major and V transposed (the 8-bit V) in one launch, scales per in-tile group of
+    ``GROUP`` tokens, no smoothing (grid ``(2 · cdiv(L, BLOCK_T), B*H)``: K's tiles, then
+    V's). K and V have one shape ``[B, H, L, D]``; two short passes of a few µs each are
+    latency-bound, one launch of twice the programs is not (benchmarks/NOTES.md, session 23).
+    """
+    n_tiles = tl.cdiv(L, BLOCK_T)
+    pid = tl.program_id(0)
+    if pid < n_tiles:
+        _quantize_tile(
+            k_ptr, k_scale_ptr, k_scale_ptr, kq_ptr, k_scale_ptr, k_scale_ptr,
+            pid, tl.program_id(1),
+            L, L, D, n_heads, 1, GROUP, 1.0,
+            skb, skh, skl, skd, 0, 0, 0, 0, 0, 0, sqkb, sqkh, sqkl, sqkd,
+            n_groups, 0,
+            QMAX, AMAX_FLOOR, _SCALE_IN_TILE, GROUP, _MEAN_NONE, 1, OUT_FMT, EXACT_FP8, 0,
+            False, BLOCK_T, BLOCK_D,
+        )
+    else:
+        _quantize_tile(
+            v_ptr, v_scale_ptr, v_scale_ptr, vq_ptr, v_scale_ptr, v_scale_ptr,
+            pid - n_tiles, tl.program_id(1),
+            L, L_pad, D, n_heads, 1, GROUP, 1.0,
+            svb, svh, svl, svd, 0, 0, 0, 0, 0, 0, sqvb, sqvh, sqvl, sqvd,
+            n_groups, 0,
+            QMAX, AMAX_FLOOR, _SCALE_IN_TILE, GROUP, _MEAN_NONE, 1, OUT_FMT, EXACT_FP8, 0,
+            True, BLOCK_T, BLOCK_D,
+        )
 
 
 @triton.jit
@@ -662,6 +730,30 @@ def quantize_fp8(
         scale_mul=scale_mul, transposed=transpose,
     )
     return Quantized(data, scale, group, transposed=transpose)
+
+
+def quantize_fp8_kv(k: Tensor, v: Tensor, group: int) -> tuple[Quantized, Quantized]:
+    """:func:`quantize_fp8` of K (row-major) and of V (``transpose``, the 8-bit V) over
+    groups of ``group`` tokens, in one launch of :func:`_quantize_kv_kernel` when the groups
+    fit a tile and K and V have one shape (``[B, H, L, D]``); otherwise two calls."""
+    if k.shape != v.shape or not _fits_in_tile(group):
+        return quantize_fp8(k, group), quantize_fp8(v, group, transpose=True)
+    bsz, heads, length, dim = k.shape
+    k_data = _alloc_8bit(k, torch.float8_e4m3fn, False)
+    v_data = _alloc_8bit(v, torch.float8_e4m3fn, True)
+    n_groups = num_groups(length, group)
+    k_scale, v_scale = (torch.empty((bsz, heads, n_groups), device=k.device, dtype=torch.float32)
+                        for _ in range(2))
+    cfg = quant_config(dim, k.device, group)
+    grid = (2 * triton.cdiv(length, cfg.block_t), bsz * heads)
+    launcher(_quantize_kv_kernel, k)[grid](
+        k, v, k_data, v_data, k_scale, v_scale, length, v_data.shape[-1], dim, heads, n_groups,
+        *k.stride(), *v.stride(), *_value_strides(k_data, False), *_value_strides(v_data, True),
+        QMAX=FP8_MAX, AMAX_FLOOR=AMAX_MIN, GROUP=group, OUT_FMT=int(_OUT_FP8),
+        EXACT_FP8=interpreted(k.device), BLOCK_T=cfg.block_t, BLOCK_D=padded_dim(dim),
+        num_warps=cfg.num_warps,
+    )
+    return Quantized(k_data, k_scale, group), Quantized(v_data, v_scale, group, transposed=True)
 
 
 def quantize_fp8_per_channel(

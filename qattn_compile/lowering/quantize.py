@@ -65,9 +65,16 @@ def quantize_fp8(x: Tensor, group: int, *, scale_mul: float = 1.0) -> tuple[Tens
     """FP8 e4m3 over groups of ``group`` tokens (:func:`~qattn_compile.reference.quant.
     quantize_fp8`, scale amax/448); ``(data, scale · scale_mul)``, data float8_e4m3fn
     ``[B, H, L, D]``. Per token, Inductor writes RoPE, the token's amax and the rounding in
-    one kernel (a persistent reduction over D). On CUDA, Inductor folds the division by 448
-    into a multiply by its reciprocal, so a scale can differ from the kernels' in its last
-    bit (as the INT8 quantizers' can)."""
+    one kernel (a persistent reduction over D), and the scales follow ``x``'s memory: of a
+    projection output viewed per head (``[B, L, H, D]`` memory) they are a ``[B, H, L]``
+    view of ``[B, L, H]`` memory, which that kernel writes in the order it reads its rows
+    (not one float every ``L`` floats; 1 µs of the 1K block, benchmarks/NOTES.md, session
+    23). On CUDA, Inductor folds the division by 448 into a multiply by its reciprocal, so a
+    scale can differ from the kernels' in its last bit (as the INT8 quantizers' can)."""
+    if group == 1 and x.stride(1) < x.stride(2):
+        # One scale per row of D values: the same rows, named in memory order.
+        data, scale = quant.quantize_fp8(x.transpose(1, 2), 1)
+        return data.transpose(1, 2), scale.transpose(1, 2) * scale_mul
     data, scale = quant.quantize_fp8(x, group)
     return data, scale * scale_mul
 
