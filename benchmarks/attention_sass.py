@@ -31,7 +31,7 @@ from pathlib import Path
 import decode_sass  # noqa: E402  (pops TRITON_INTERPRET before triton is imported)
 import torch
 
-from qattn_compile.blocks import SMOOTH_Q_BLOCK, group_sizes
+from qattn_compile.blocks import SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes
 from qattn_compile.kernels import attention as ak
 from qattn_compile.kernels import launch
 from qattn_compile.kernels.heuristics import AttentionConfig, _table_config
@@ -94,7 +94,7 @@ def operands(preset: str, dim: int) -> launch.Operands:
         return launch.Operands(native, native.clone(), native.clone(),
                                launch._switches(ak.QK_NATIVE, ak.P_NATIVE, ak.V_NATIVE))
     elif preset == "fp8":
-        gq, gk = group_sizes(opts.granularity, LENGTH, LENGTH)
+        gq, gk = fp8_group_sizes(opts.granularity, LENGTH, LENGTH)
         fp8 = int8.to(torch.float8_e4m3fn)
         ops = launch.Operands(fp8, fp8.clone(), v_t.to(torch.float8_e4m3fn),
                               launch._switches(ak.QK_FP8, ak.P_FP8, ak.V_FP8),

@@ -13,6 +13,9 @@ A quantization *granularity* names how many consecutive tokens share one scale:
   the kernel does once per tile; a per-key scale would cost a multiply per score.
 - ``tensor``: one scale per (batch, head).
 
+``fp8`` reads its groups from :func:`fp8_group_sizes`: its ``block`` is :data:`FP8_BLOCK`
+tokens for Q, K and V alike.
+
 Kernels load scales by token index (``token // group``), so most tile sizes work with any
 group; the few constraints between the attention tiles and these groups (per-block V
 scales, the Q-smoothing block, :data:`V_KEY_BLOCK`) are listed and checked in
@@ -22,6 +25,11 @@ scales, the Q-smoothing block, :data:`V_KEY_BLOCK`) are listed and checked in
 QUANT_WARP_Q = 16
 QUANT_BLOCK_Q = 128
 QUANT_BLOCK_KV = 64
+FP8_BLOCK = 128
+"""Tokens per scale of ``fp8``'s ``block`` granularity (Q, K and V): the key tile of its
+long-sequence kernels, which a per-block V scale must span. With K and V per 64 tokens the
+tile was capped at 64 keys (H100, 16K, D=128 non-causal, runs 5–6 of session 23 in
+benchmarks/RESULTS.md: 615–667 TOPS with 64-token K/V groups, 765–809 with 128)."""
 SMOOTH_Q_BLOCK = QUANT_BLOCK_Q  # tokens that share one q̄ in SageAttention2's Q smoothing
 P_KEY_TILE = 64
 """Keys per tile over which the reference takes integer P's max under ``p_scale: tile``
@@ -52,3 +60,11 @@ def group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
         return max(q_len, 1), max(kv_len, 1)
     raise ValueError(f"unknown granularity {granularity!r}; expected token, q_token, warp, "
                      "block or tensor")
+
+
+def fp8_group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
+    """Tokens per scale for (Q, K/V) of ``fp8``: :func:`group_sizes`, except that ``block``
+    is :data:`FP8_BLOCK` tokens on both sides."""
+    if granularity == "block":
+        return FP8_BLOCK, FP8_BLOCK
+    return group_sizes(granularity, q_len, kv_len)

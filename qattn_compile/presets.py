@@ -69,7 +69,10 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     are below the running row max + threshold.
 ``fp8``
     FlashAttention-3-style FP8: Q, K, V FP8 e4m3 (scale amax/448) per ``granularity``:
-    ``tensor``, ``block``, or ``q_token`` (Q per token, K and V per block).
+    ``tensor``, ``block`` (:data:`~qattn_compile.blocks.FP8_BLOCK` = 128 tokens for Q, K and
+    V; the fastest at long non-causal D=128, where the default ``tensor`` needs an extra
+    statistics pass per operand), or ``q_token`` (Q per token, K and V per 64 tokens; short
+    prefills in a compiled model).
     ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
 ``none``
     Leave the site as it is.
@@ -255,8 +258,8 @@ class Fp8Options(KernelOptions):
     """Options of ``fp8`` (FlashAttention-3-style FP8)."""
 
     granularity: Literal["tensor", "block", "q_token"] = Field(
-        "tensor", description="FP8 scales per tensor, per block of tokens, or per token for "
-        "Q with K and V per block (q_token)."
+        "tensor", description="FP8 scales per tensor, per block of 128 tokens (Q, K and V), or "
+        "per token for Q with K and V per 64 tokens (q_token)."
     )
 
 

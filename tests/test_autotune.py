@@ -171,14 +171,14 @@ def test_candidates_meet_the_constraints(monkeypatch, arch):
     attention_config makes of an override (the one statement of those constraints)."""
     monkeypatch.setattr(heuristics, "arch_of", lambda device: arch)
     for dim in (32, 64, 128, 256):
-        for per_block_v, smooth_q in [(False, False), (True, False), (False, True), (True, True)]:
-            found = attention_candidates("int_flash", dim, CPU, per_block_v=per_block_v,
+        for v_block, smooth_q in [(0, False), (64, False), (0, True), (64, True), (128, False)]:
+            found = attention_candidates("int_flash", dim, CPU, v_block=v_block,
                                          smooth_q=smooth_q)
             assert len(found) == len(set(found))
             for cfg in found:
-                assert attention_config("int_flash", dim, CPU, per_block_v=per_block_v,
+                assert attention_config("int_flash", dim, CPU, v_block=v_block,
                                         smooth_q=smooth_q, override=cfg) == cfg
-                assert not per_block_v or 64 % cfg.block_n == 0
+                assert not v_block or v_block % cfg.block_n == 0
                 assert not smooth_q or (128 % cfg.block_m == 0 and cfg.block_n <= 256)
 
 
@@ -332,5 +332,10 @@ def test_tile_overrides_that_break_a_launch_contract_are_refused():
     prepare_attention(q, k, v, preset="sage2_8b", options={"smooth_q": False},
                       config=AttentionConfig(32, 512, 4, 1))  # no ΔS: no such limit
     q, k, v = (torch.randn(1, 2, 130, 64, dtype=torch.float16) for _ in range(3))  # 3 V blocks
-    with pytest.raises(ValueError, match=r"block_n=128 must divide QUANT_BLOCK_KV=64"):
+    with pytest.raises(ValueError, match=r"block_n=128 must divide V's 64 tokens per scale"):
         prepare_attention(q, k, v, preset="turbo", config=AttentionConfig(32, 128, 4, 1))
+    fp8_block = {"granularity": "block"}  # V per FP8_BLOCK = 128 tokens: 128-key tiles fit
+    prepare_attention(q, k, v, preset="fp8", options=fp8_block, config=AttentionConfig(32, 128, 4, 1))
+    with pytest.raises(ValueError, match=r"block_n=256 must divide V's 128 tokens per scale"):
+        prepare_attention(q, k, v, preset="fp8", options=fp8_block,
+                          config=AttentionConfig(32, 256, 4, 1))

@@ -297,5 +297,5 @@ def test_gpu_supports_and_v_block_constraint():
     shape = (1, 8, 128, 128)
     device = torch.device(DEV)
     assert kern.supports(shape, shape, shape, torch.bfloat16, device, "fp8", None) is None
-    cfg = kern.heuristics.attention_config("turbo", 128, torch.device(DEV), per_block_v=True)
+    cfg = kern.heuristics.attention_config("turbo", 128, torch.device(DEV), v_block=QUANT_BLOCK_KV)
     assert QUANT_BLOCK_KV % cfg.block_n == 0

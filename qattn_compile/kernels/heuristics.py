@@ -12,8 +12,9 @@ first).
 
 Constraints the launchers rely on (checked by :func:`attention_config`):
 
-- ``block_n`` divides :data:`~qattn_compile.blocks.QUANT_BLOCK_KV` whenever V carries one
-  scale per block of tokens (a tile of V tokens then has one scale);
+- ``block_n`` divides V's tokens per scale whenever V carries one scale per block of tokens
+  (``v_block``: :data:`~qattn_compile.blocks.QUANT_BLOCK_KV`, or ``fp8``'s
+  :data:`~qattn_compile.blocks.FP8_BLOCK`; a tile of V tokens then has one scale);
 - ``block_m`` divides :data:`~qattn_compile.blocks.SMOOTH_Q_BLOCK` (a query tile then shares
   one Q-smoothing mean, so ΔS is one row per tile), and with ΔS ``block_n`` is at most twice
   it (a causal call's ΔS leaves unwritten the keys no such tile reaches,
@@ -31,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..blocks import QUANT_BLOCK_KV, SMOOTH_Q_BLOCK, V_KEY_BLOCK
+from ..blocks import SMOOTH_Q_BLOCK, V_KEY_BLOCK
 
 
 V_COLSUM_TOKENS = 32
@@ -233,10 +234,10 @@ def qk_block_dim(head_dim: int, packed_int4: bool) -> int:
     return max(padded_dim(head_dim), 64) if packed_int4 else padded_dim(head_dim)
 
 
-def _constrained(cfg: AttentionConfig, per_block_v: bool, smooth_q: bool) -> AttentionConfig:
+def _constrained(cfg: AttentionConfig, v_block: int, smooth_q: bool) -> AttentionConfig:
     """``cfg`` shrunk to meet the divisibility constraints that apply (module docstring)."""
-    if per_block_v:
-        cfg = replace(cfg, block_n=math.gcd(cfg.block_n, QUANT_BLOCK_KV))
+    if v_block:
+        cfg = replace(cfg, block_n=math.gcd(cfg.block_n, v_block))
     if smooth_q:
         cfg = replace(cfg, block_m=math.gcd(cfg.block_m, SMOOTH_Q_BLOCK))
     return cfg
@@ -268,7 +269,7 @@ def attention_config(
     device: torch.device,
     dtype: torch.dtype = torch.float16,
     *,
-    per_block_v: bool = False,
+    v_block: int = 0,
     smooth_q: bool = False,
     native_pv: bool = False,
     keys: int | None = None,
@@ -280,9 +281,10 @@ def attention_config(
     no mask of any kind applies (``override``: a caller's choice, e.g. a benchmark sweep or
     the autotuner's pick).
 
-    ``per_block_v``/``smooth_q`` state which divisibility constraints (module docstring)
-    apply: a table entry is shrunk to meet them (e.g. ``int_flash`` with per-block V keeps
-    64-token key tiles); an ``override`` that breaks one raises ``ValueError``.
+    ``v_block`` (V's tokens per scale when V has one scale per block of tokens, else 0) and
+    ``smooth_q`` state which divisibility constraints (module docstring) apply: a table
+    entry is shrunk to meet them (e.g. ``int_flash`` with per-block V keeps 64-token key
+    tiles); an ``override`` that breaks one raises ``ValueError``.
     ``native_pv``: a quantized preset whose P·V runs in 16 bits (sage2's ``pv: fp16``).
     """
     if override is not None:
@@ -290,14 +292,14 @@ def attention_config(
     else:
         table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv, keys,
                               unmasked)
-        cfg = _constrained(table, per_block_v, smooth_q)
+        cfg = _constrained(table, v_block, smooth_q)
     if cfg.block_m < MIN_BLOCK_M:
         raise ValueError(f"block_m={cfg.block_m} must be at least {MIN_BLOCK_M}")
     for unit in sorted({V_KEY_BLOCK, V_COLSUM_TOKENS}):
         if cfg.block_n % unit:
             raise ValueError(f"block_n={cfg.block_n} must be a multiple of {unit}")
-    if per_block_v and QUANT_BLOCK_KV % cfg.block_n:
-        raise ValueError(f"block_n={cfg.block_n} must divide QUANT_BLOCK_KV={QUANT_BLOCK_KV}")
+    if v_block and v_block % cfg.block_n:
+        raise ValueError(f"block_n={cfg.block_n} must divide V's {v_block} tokens per scale")
     if smooth_q and SMOOTH_Q_BLOCK % cfg.block_m:
         raise ValueError(f"block_m={cfg.block_m} must divide SMOOTH_Q_BLOCK={SMOOTH_Q_BLOCK}")
     if smooth_q and cfg.block_n > 2 * SMOOTH_Q_BLOCK:
@@ -393,7 +395,7 @@ def attention_candidates(
     device: torch.device,
     dtype: torch.dtype = torch.float16,
     *,
-    per_block_v: bool = False,
+    v_block: int = 0,
     smooth_q: bool = False,
     native_pv: bool = False,
     keys: int | None = None,
@@ -407,7 +409,7 @@ def attention_candidates(
     first = _table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked)
     out: list[AttentionConfig] = []
     for cfg in (first, *_CANDIDATES[(arch, padded_dim(head_dim))]):
-        cfg = _constrained(cfg, per_block_v, smooth_q)
+        cfg = _constrained(cfg, v_block, smooth_q)
         if cfg not in out:
             out.append(cfg)
     return out

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _compat
-from ..blocks import SMOOTH_Q_BLOCK, group_sizes
+from ..blocks import SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes
 from ..ops import heads_inside_tokens, output_buffer
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
@@ -200,7 +200,7 @@ def _prepare_turbo(q, k, v, opts, qk_mul, static, causal) -> Operands:
 def _prepare_fp8(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """FlashAttention-3-style FP8: Q, K, V e4m3 per tensor/block/q_token; P = fp8(448·P)."""
     lq, lkv = q.shape[2], k.shape[2]
-    gq, gk = group_sizes(opts.granularity, lq, lkv)
+    gq, gk = fp8_group_sizes(opts.granularity, lq, lkv)
     qq = quantize_fp8(q, gq, scale_mul=qk_mul)
     kq, vq = quantize_fp8_kv(k, v, gk)
     ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_FP8, ak.P_FP8, ak.V_FP8))
@@ -509,15 +509,16 @@ def prepare_attention(
     qk_mul = tau * LOG2E
     ops = _PREPARE[preset](q, k, v, opts, qk_mul, static, bool(is_causal))
     per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
+    v_block = ops.v_group if per_block_v else 0
     smooth_q = ops.delta_s is not None
     native_pv = preset != "flash" and int(ops.switches["P_FMT"]) == int(ak.P_NATIVE)
     unmasked = attn_mask is None and not is_causal
     if config is None and getattr(opts, "autotune", False):
         candidates = attention_candidates(preset, max(dim, dv), q.device, q.dtype,
-                                          per_block_v=per_block_v, smooth_q=smooth_q,
+                                          v_block=v_block, smooth_q=smooth_q,
                                           native_pv=native_pv, keys=lkv, unmasked=unmasked)
         config = _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale, candidates)
-    cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, per_block_v=per_block_v,
+    cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, v_block=v_block,
                            smooth_q=smooth_q, native_pv=native_pv, keys=lkv,
                            unmasked=unmasked, override=config)
     mask = plan_mask(attn_mask, (bsz, hq, lq, lkv), cfg.block_m, cfg.block_n, bool(is_causal))

@@ -57,7 +57,7 @@ from typing import Mapping, NamedTuple
 import torch
 from torch import Tensor
 
-from ..blocks import P_KEY_TILE, SMOOTH_Q_BLOCK, group_sizes
+from ..blocks import P_KEY_TILE, SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from . import quant, smooth
 from .sas import sas_exp
@@ -247,7 +247,7 @@ def _qk_plan(preset: str, opts: PresetOptions, lq: int, lkv: int) -> tuple[str, 
     if preset == "turbo":
         return ("int8", *group_sizes("block", lq, lkv))
     if preset == "fp8":
-        return ("fp8", *group_sizes(opts.granularity, lq, lkv))
+        return ("fp8", *fp8_group_sizes(opts.granularity, lq, lkv))
     raise ValueError(f"preset {preset!r} has no quantized Q/K")
 
 
@@ -296,7 +296,7 @@ def _prepare_v(v, preset, opts, compute_dtype, static_scales) -> tuple[Tensor, T
     elif preset == "turbo":
         fmt, group = "int8", group_sizes("block", 1, lkv)[1]
     elif preset == "fp8":
-        fmt, group = "fp8", group_sizes(opts.granularity, 1, lkv)[1]
+        fmt, group = "fp8", fp8_group_sizes(opts.granularity, 1, lkv)[1]
     else:
         raise ValueError(f"preset {preset!r} has no quantized V")
     values, scale = _quantize_values(vc, group, fmt, _static_amax(static_scales, "v"))
