@@ -23,7 +23,8 @@ Kernels:
 - :func:`_quantize_kernel`: quantize a ``BLOCK_T``-token tile; scales either computed in the
   tile (groups that fit in it) or read (large groups, per channel, static amax); optional
   mean subtraction (smoothing; block means read or computed in the tile), INT4 packing,
-  transposed output.
+  transposed output. Its body is :func:`_quantize_tile`, which :func:`_quantize_kv_kernel`
+  also runs: fp8's K and transposed V, per in-tile group, in one launch.
 - :func:`_delta_s_kernel`: SageAttention2's ``ΔS = q̄·(K − k̄)ᵀ`` per query block.
 
 While torch traces (inside ``torch.compile``), the INT8 quantizer and the smoothing means
