@@ -168,8 +168,7 @@ def test_quantize_fp8_kv_matches_the_reference(group, v_dim):
     """K and V in one launch (groups that fit a tile, one shape for both) or two (a V of
     another head dim, a group larger than a tile): each bit-exact against the reference,
     V stored transposed; odd length, K channel outliers."""
-    _, k, v = make_qkv(hq=2, hkv=2, lq=77, d=40, dtype=torch.float16, k_outliers=True)
-    v = torch.randn(*v.shape[:-1], v_dim, dtype=torch.float16) * 3
+    _, k, v = make_qkv(hq=2, lq=77, d=40, dv=v_dim, dtype=torch.float16, k_outliers=True)
     got_k, got_v = kq.quantize_fp8_kv(k, v, group)
     for got, x in ((got_k, k), (got_v, v)):
         ref_q, ref_scale = rq.quantize_fp8(x, group)
