@@ -509,7 +509,7 @@ def prepare_attention(
     qk_mul = tau * LOG2E
     ops = _PREPARE[preset](q, k, v, opts, qk_mul, static, bool(is_causal))
     per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
-    v_block = ops.v_group if per_block_v else 0
+    v_block = ops.v_group if per_block_v else 0  # V's tokens per scale, for the tile constraint
     smooth_q = ops.delta_s is not None
     native_pv = preset != "flash" and int(ops.switches["P_FMT"]) == int(ak.P_NATIVE)
     unmasked = attn_mask is None and not is_causal

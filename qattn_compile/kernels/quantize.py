@@ -736,8 +736,9 @@ def quantize_fp8(
 def quantize_fp8_kv(k: Tensor, v: Tensor, group: int) -> tuple[Quantized, Quantized]:
     """:func:`quantize_fp8` of K (row-major) and of V (``transpose``, the 8-bit V) over
     groups of ``group`` tokens, in one launch of :func:`_quantize_kv_kernel` when the groups
-    fit a tile and K and V have one shape (``[B, H, L, D]``); otherwise two calls."""
-    if k.shape != v.shape or not _fits_in_tile(group):
+    fit a tile, K and V have one shape (``[B, H, L, D]``) and K does not take its torch form
+    (:func:`_fp8_decomposed`); otherwise two calls."""
+    if k.shape != v.shape or not _fits_in_tile(group) or _fp8_decomposed(k, group):
         return quantize_fp8(k, group), quantize_fp8(v, group, transpose=True)
     bsz, heads, length, dim = k.shape
     k_data = _alloc_8bit(k, torch.float8_e4m3fn, False)
