@@ -608,6 +608,24 @@ def test_128_key_tiles_over_smaller_token_groups(preset, options, causal):
     assert err_k <= 1.05 * err_r + EPS, f"{preset}: kernel {err_k:.5f} vs reference {err_r:.5f}"
 
 
+@pytest.mark.parametrize("preset,options", [("fp8", {"granularity": "block"}), ("turbo", None)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_per_tile_v_scales_across_magnitudes(preset, options, causal):
+    """V scaled per key tile (``VS_TILE``): the accumulator is kept in the last tile's V
+    units and rescaled per row when the next tile's scale differs. V's groups span twelve
+    orders of magnitude, one of them all zero (a scale at the quantizer's floor), so a unit
+    carried over wrongly shows as a large error or a non-finite output."""
+    q, k, v = make_qkv(lq=140 if causal else 24, lkv=3 * 128 + 10, d=32)
+    prepared = prepare_attention(q, k, v, None, causal, None, preset, options)
+    assert launch._v_scale_args(prepared.ops, None)[1] == attn.VS_TILE
+    group = prepared.ops.v_group
+    v[:, :, :group] *= 1e3
+    v[:, :, group:2 * group] = 0.0
+    v[:, :, 2 * group:3 * group] *= 1e-3
+    out, _, _ = check_against_reference(q, k, v, preset, options, is_causal=causal)
+    assert out.isfinite().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_sage2_fp16_pv_masks_gqa(dtype):
     """``pv: fp16`` (P_NATIVE / V_NATIVE after INT8 Q·Kᵀ): GQA, a bool mask with fully masked

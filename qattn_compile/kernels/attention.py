@@ -28,9 +28,10 @@ softmax scale and log2(e) are folded into Q's scale). Switches:
   (transposed ``[Dv, L_pad]``, K-major for Hopper's 8-bit MMAs, tokens in the storage order
   of :mod:`.quantize`; the 8-bit P is relabelled to match by
   :func:`~.primitives.in_v_key_order`). ``V_SCALE``: :data:`VS_NONE`, :data:`VS_TILE` (one
-  scale per ``V_GROUP`` tokens, applied to each tile's ``P·V``; ``BLOCK_N`` divides
-  ``V_GROUP``) or :data:`VS_CHANNEL` (per channel, per tensor with stride 0, applied once at
-  the end). ``SMOOTH_V`` adds the V mean back to O.
+  scale per ``V_GROUP`` tokens; ``BLOCK_N`` divides ``V_GROUP``; the accumulator is kept in
+  the units of the last tile's scale and multiplied by it at the end) or :data:`VS_CHANNEL`
+  (per channel, per tensor with stride 0, applied once at the end). ``SMOOTH_V`` adds the V
+  mean back to O.
 - ``MASK_MODE``: :data:`MASK_NONE`, :data:`MASK_BOOL`, :data:`MASK_ADD` (tensor masks read
   through the per-tile summary of :mod:`.mask`), combined with ``IS_CAUSAL`` (top-left).
   Key tiles run in two phases: tiles that need no bounds/causal masking, then the diagonal /
@@ -370,7 +371,7 @@ def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
 
 @triton.jit
 def _tile_step(
-    acc, m_i, l_i, q, q2, q_scale, start_m, start_n,
+    acc, acc_unit, m_i, l_i, q, q2, q_scale, start_m, start_n,
     k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code,
     Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3,
     skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
@@ -385,13 +386,14 @@ def _tile_step(
 ):
     """Fold key tile ``[start_n, start_n + BLOCK_N)`` into the online-softmax state.
 
-    State: ``acc`` float32 ``[BLOCK_M, BLOCK_DV]``, ``m_i``/``l_i`` float32 ``[BLOCK_M]``
+    State: ``acc`` float32 ``[BLOCK_M, BLOCK_DV]`` in units of the scalar ``acc_unit`` (the
+    last tile's V scale with ``VS_TILE``, else 1), ``m_i``/``l_i`` float32 ``[BLOCK_M]``
     (running max in log2 units, running sum in units of the P format's scale). ``code``: the
     tile's mask summary (a mixed tile reads the tensor mask). ``BOUNDED``: mask keys
     ``>= Lkv`` and, with ``IS_CAUSAL``, keys after the query. ``USE_TMA``: K and V tiles come
     from the descriptors ``k_desc``/``v_desc`` (:func:`kv_descriptors`), else from pointers
     at ``k_base``/``v_base`` (the descriptor arguments are then unused). Returns
-    ``(acc, m_i, l_i)``.
+    ``(acc, acc_unit, m_i, l_i)``.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -470,18 +472,20 @@ def _tile_step(
         else:
             v_colsum = 0
         pv = pv_product(p, v, v_colsum, P_FMT, DOT_PRECISION)
-        # The tile's V scale and P weight are one per-row factor: one multiply per element.
+        acc_alpha = alpha
+        if V_SCALE == VS_TILE:
+            v_scale = tl.load(vs_base + (start_n // V_GROUP) * svsg)
+            # The accumulator moves to this tile's V units with the per-row rescale it takes
+            # anyway, so the fresh product needs no multiply per element.
+            acc_alpha = alpha * (acc_unit / v_scale)
+            acc_unit = v_scale
         if P_TILE_MAX:
             row_sum = row_sum * weight
-            if V_SCALE == VS_TILE:
-                weight = weight * tl.load(vs_base + (start_n // V_GROUP) * svsg)
             pv = pv * weight[:, None]
-        elif V_SCALE == VS_TILE:
-            pv = pv * tl.load(vs_base + (start_n // V_GROUP) * svsg)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * acc_alpha[:, None] + pv
         l_i = l_i * alpha + row_sum
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, acc_unit, m_i, l_i
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -569,6 +573,7 @@ def attention_kernel(
         k_desc, v_desc = k_base, v_base  # unused by the pointer loads
 
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    acc_unit = tl.cast(1.0, tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
 
@@ -580,19 +585,19 @@ def attention_kernel(
             hi = tl.minimum(Lkv, start_m + BLOCK_M)
             full_hi = tl.minimum(full_hi, ((start_m + 1) // BLOCK_N) * BLOCK_N)
         for start_n in range(0, full_hi, BLOCK_N):
-            acc, m_i, l_i = _tile_step(
-                acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, k_desc, v_desc,
-                ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale,
-                thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
+            acc, acc_unit, m_i, l_i = _tile_step(
+                acc, acc_unit, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base,
+                k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv,
+                qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
                 QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, False, IS_CAUSAL,
                 HAS_DS, POSITIVE_SCALE,
                 K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
         for start_n in range(full_hi, hi, BLOCK_N):
-            acc, m_i, l_i = _tile_step(
-                acc, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base, k_desc, v_desc,
-                ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv, qk_scale,
-                thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
+            acc, acc_unit, m_i, l_i = _tile_step(
+                acc, acc_unit, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base,
+                k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv,
+                qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
                 QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL,
                 HAS_DS, POSITIVE_SCALE,
                 K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
@@ -605,8 +610,8 @@ def attention_kernel(
         for i in range(0, n_live):
             n_tile = tl.load(tile_base + i * stn)
             code = tl.load(code_base + n_tile * ssn)
-            acc, m_i, l_i = _tile_step(
-                acc, m_i, l_i, q, q2, q_scale, start_m, n_tile * BLOCK_N, k_base, v_base,
+            acc, acc_unit, m_i, l_i = _tile_step(
+                acc, acc_unit, m_i, l_i, q, q2, q_scale, start_m, n_tile * BLOCK_N, k_base, v_base,
                 k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code, Lq, Lkv,
                 qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn,
                 scsc, QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True,
@@ -615,7 +620,9 @@ def attention_kernel(
                 USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
-    if V_SCALE == VS_CHANNEL:
+    if V_SCALE == VS_TILE:
+        acc = acc * acc_unit
+    elif V_SCALE == VS_CHANNEL:
         acc = acc * tl.load(vs_base + offs_dv * svsg, mask=offs_dv < HEAD_DV, other=0.0)[None, :]
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
