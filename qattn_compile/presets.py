@@ -69,9 +69,10 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     are below the running row max + threshold.
 ``fp8``
     FlashAttention-3-style FP8: Q, K, V FP8 e4m3 (scale amax/448) per ``granularity``:
-    ``tensor``, ``block`` (:data:`~qattn_compile.blocks.FP8_BLOCK` = 128 tokens for Q, K and
-    V; the fastest at long non-causal D=128, where the default ``tensor`` needs an extra
-    statistics pass per operand), or ``q_token`` (Q per token, K and V per 64 tokens; short
+    ``block`` (default; :data:`~qattn_compile.blocks.FP8_BLOCK` = 128 tokens for Q, K and V:
+    one quantizer pass per operand, and a token outlier coarsens only its own block),
+    ``tensor`` (one scale per (batch, head), FlashAttention-3's; a statistics pass per
+    operand first), or ``q_token`` (Q per token, K and V per 64 tokens; the fastest for short
     prefills in a compiled model).
     ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
 ``none``
@@ -258,7 +259,7 @@ class Fp8Options(KernelOptions):
     """Options of ``fp8`` (FlashAttention-3-style FP8)."""
 
     granularity: Literal["tensor", "block", "q_token"] = Field(
-        "tensor", description="FP8 scales per tensor, per block of 128 tokens (Q, K and V), or "
+        "block", description="FP8 scales per block of 128 tokens (Q, K and V), per tensor, or "
         "per token for Q with K and V per 64 tokens (q_token)."
     )
 

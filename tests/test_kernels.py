@@ -566,7 +566,7 @@ def test_presets_additive_mask_and_causal(preset):
         ("turbo", {"exp": "hardware"}),
         ("turbo", {"p_scale": "row"}),
         ("turbo", {"sas_threshold": -3.0}),
-        ("fp8", {"granularity": "block"}),
+        ("fp8", {"granularity": "tensor"}),
         ("fp8", {"granularity": "q_token"}),
     ],
 )
@@ -592,8 +592,8 @@ def test_preset_options(preset, options):
 def test_128_key_tiles_over_smaller_token_groups(preset, options, causal):
     """128-key tiles: sage2's K scales come per QUANT_BLOCK_KV = 64 keys, two per tile,
     applied per half of the tile's scores (the last tile's second group lies past Lkv =
-    150); fp8's per-tensor, int_flash's per-key and flash's scalar scale leave the row scale
-    to the exponent; fmha_int8's UINT8-P correction adds four 32-token V̂ sums per tile (the
+    150); fp8's one scale per 128-token block (one per tile), int_flash's per-key and flash's
+    scalar scale leave the row scale to the exponent; fmha_int8's UINT8-P correction adds four 32-token V̂ sums per tile (the
     last tile's from padding). K's second group is 10× larger, so a scale applied to the
     wrong keys shows as a large error (causal: 150 queries, so that rows see past key 128)."""
     assert QUANT_BLOCK_KV == 64

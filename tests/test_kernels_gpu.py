@@ -131,7 +131,7 @@ def test_gpu_bf16(preset):
         ("sage2_4b", {"pv": "fp16"}),
         ("turbo", {"exp": "hardware"}),
         ("turbo", {"p_scale": "row"}),
-        ("fp8", {"granularity": "block"}),
+        ("fp8", {"granularity": "tensor"}),
         ("fp8", {"granularity": "q_token"}),
     ],
 )
