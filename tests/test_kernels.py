@@ -626,6 +626,25 @@ def test_per_tile_v_scales_across_magnitudes(preset, options, causal):
     assert out.isfinite().all()
 
 
+@pytest.mark.parametrize("preset", ["int_flash", "fmha_int8", "turbo"])
+def test_tile_p_scale_across_far_apart_tile_maxima(preset):
+    """``p_scale: tile`` keeps the accumulator in units of the last tile's weight
+    ``2^(m_t − m)``. Additive biases put whole key tiles 100 (natural log units) below the
+    row's best tile, before or after it, and a third tile 30 or 60 below: a tile far below is
+    quantized against the row's max − P_TILE_FLOOR (without that floor its units would
+    overflow float32), the next one moves the accumulator back."""
+    q, k, v = make_qkv(lq=40, lkv=100, d=32)
+    block_n = prepare_attention(q, k, v, preset=preset).cfg.block_n
+    q, k, v = make_qkv(lq=40, lkv=3 * block_n + 5, d=32)
+    bias = torch.zeros(1, 1, 40, 3 * block_n + 5)
+    for rows, tile_bias in ((slice(0, 20), (0.0, -100.0, -30.0)),
+                            (slice(20, 40), (-100.0, 0.0, -60.0))):
+        for tile, value in enumerate(tile_bias):
+            bias[..., rows, tile * block_n:(tile + 1) * block_n] = value
+    out, _, _ = check_against_reference(q, k, v, preset, attn_mask=bias.half())
+    assert out.isfinite().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_sage2_fp16_pv_masks_gqa(dtype):
     """``pv: fp16`` (P_NATIVE / V_NATIVE after INT8 Q·Kᵀ): GQA, a bool mask with fully masked

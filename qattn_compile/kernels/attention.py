@@ -19,8 +19,10 @@ softmax scale and log2(e) are folded into Q's scale). Switches:
   ``128·colsum(V̂)`` correction), :data:`P_FP8` (``fp8(448·P)``). ``l`` is summed from the
   quantized P for the integer formats, from the float P before quantization otherwise.
 - ``P_TILE_MAX`` (integer P, ``p_scale: tile``): P is quantized against each tile's row max
-  ``m_t`` instead of the running max; the tile's ``P·V`` and row sum are weighted by
-  ``2^(m_t − m)``.
+  ``m_t`` instead of the running max (floored at ``m − P_TILE_FLOOR``); the tile's row sum
+  is weighted by ``2^(m_t − m)``. Its ``P·V`` too for UINT8 P; INT8 P's enters unweighted,
+  the accumulator being kept in units of its last tile's weight (``acc_shift``, see
+  :func:`_tile_step` and :data:`P_TILE_FLOOR`).
 - ``EXP_MODE``: :data:`EXP_HW` (``exp2``; P's scale folded into the exponent) or
   :data:`EXP_SAS` (TurboAttention's SAS: 2^floor by exponent bits × cubic on the fraction,
   scores below the threshold → 0, tiles with no score above it skipped).
@@ -72,6 +74,12 @@ P_FP8 = tl.constexpr(3)
 V_NATIVE = tl.constexpr(0)
 V_INT8 = tl.constexpr(1)
 V_FP8 = tl.constexpr(2)
+
+P_TILE_FLOOR = tl.constexpr(64.0)
+"""``P_TILE_MAX``: how far (log2 units) below the row's running max a key tile's P may be
+quantized against. A tile whose max lies lower rounds to P = 0 (its true weight is below
+2^-64 of the row's largest), and the accumulator, kept in units of ``2^(m_t − m)``, grows at
+most 2^64 above the true sum (float32 holds 2^127)."""
 
 PER_TENSOR_GROUP = 1 << 30
 """The token group of a per-tensor scale: longer than any sequence (its stride is 0)."""
@@ -371,11 +379,12 @@ def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
 
 @triton.jit
 def _tile_step(
-    acc, acc_unit, m_i, l_i, q, q2, q_scale, start_m, start_n,
+    acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n,
     k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code,
     Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3,
     skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
-    QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr, V_FMT: tl.constexpr,
+    QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr,
+    ACC_TILE_UNITS: tl.constexpr, V_FMT: tl.constexpr,
     V_SCALE: tl.constexpr, EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
     BOUNDED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr,
     POSITIVE_SCALE: tl.constexpr,
@@ -387,13 +396,17 @@ def _tile_step(
     """Fold key tile ``[start_n, start_n + BLOCK_N)`` into the online-softmax state.
 
     State: ``acc`` float32 ``[BLOCK_M, BLOCK_DV]`` in units of the scalar ``acc_unit`` (the
-    last tile's V scale with ``VS_TILE``, else 1), ``m_i``/``l_i`` float32 ``[BLOCK_M]``
-    (running max in log2 units, running sum in units of the P format's scale). ``code``: the
+    last tile's V scale with ``VS_TILE``, else 1) and, with ``ACC_TILE_UNITS``, of
+    ``2^(acc_shift − m_i)`` per row (``acc_shift`` float32 ``[BLOCK_M]``: the max P of the
+    last tile was quantized against; unused otherwise), ``m_i``/``l_i`` float32
+    ``[BLOCK_M]`` (running max in log2 units, running sum in units of the P format's scale).
+    A tile's fresh ``P·V`` is thus added as it comes; the accumulator's per-row rescale
+    moves it to the new tile's units. ``code``: the
     tile's mask summary (a mixed tile reads the tensor mask). ``BOUNDED``: mask keys
     ``>= Lkv`` and, with ``IS_CAUSAL``, keys after the query. ``USE_TMA``: K and V tiles come
     from the descriptors ``k_desc``/``v_desc`` (:func:`kv_descriptors`), else from pointers
     at ``k_base``/``v_base`` (the descriptor arguments are then unused). Returns
-    ``(acc, acc_unit, m_i, l_i)``.
+    ``(acc, acc_unit, acc_shift, m_i, l_i)``.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -453,10 +466,10 @@ def _tile_step(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
         if P_TILE_MAX:
-            # P against the tile's own max; its product and sum enter with 2^(m_tile − m)
-            # (0 for a row with no visible key in this tile).
-            p_shift = tl.where(m_tile == float("-inf"), 0.0, m_tile)
-            weight = tl.math.exp2(m_tile - m_use)
+            # P against the tile's own max, at most P_TILE_FLOOR below the row's (a row with
+            # no visible key in this tile: P = 0 whatever the shift).
+            p_shift = tl.maximum(m_tile, m_use - P_TILE_FLOOR)
+            weight = tl.math.exp2(p_shift - m_use)
         else:
             p_shift = m_use
         p, row_sum = softmax_probs(s, row_scale, p_shift, thr_log2, c0, c1, c2, c3, P_FMT,
@@ -472,20 +485,26 @@ def _tile_step(
         else:
             v_colsum = 0
         pv = pv_product(p, v, v_colsum, P_FMT, DOT_PRECISION)
-        acc_alpha = alpha
-        if V_SCALE == VS_TILE:
-            v_scale = tl.load(vs_base + (start_n // V_GROUP) * svsg)
-            # The accumulator moves to this tile's V units with the per-row rescale it takes
-            # anyway, so the fresh product needs no multiply per element.
-            acc_alpha = alpha * (acc_unit / v_scale)
-            acc_unit = v_scale
+        # The accumulator moves to this tile's units with the per-row rescale it takes
+        # anyway, so the fresh product needs no multiply per element.
         if P_TILE_MAX:
             row_sum = row_sum * weight
+        if ACC_TILE_UNITS:
+            acc_alpha = tl.math.exp2(acc_shift - p_shift)  # 0 on the first visible tile
+            acc_shift = p_shift
+        elif P_TILE_MAX:
             pv = pv * weight[:, None]
+            acc_alpha = alpha
+        else:
+            acc_alpha = alpha
+        if V_SCALE == VS_TILE:
+            v_scale = tl.load(vs_base + (start_n // V_GROUP) * svsg)
+            acc_alpha = acc_alpha * (acc_unit / v_scale)
+            acc_unit = v_scale
         acc = acc * acc_alpha[:, None] + pv
         l_i = l_i * alpha + row_sum
         m_i = m_new
-    return acc, acc_unit, m_i, l_i
+    return acc, acc_unit, acc_shift, m_i, l_i
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -574,6 +593,15 @@ def attention_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     acc_unit = tl.cast(1.0, tl.float32)
+    # Per-tile P weights kept in the accumulator's units rather than multiplied into each
+    # P·V. Not for UINT8 P: Triton 3.6's ptxas then allocates fmha_int8's D=64 causal loop
+    # 181 registers instead of 137 (two programs per SM instead of three: −10 %; it fits in
+    # 147 under a register cap, so this is the allocator's choice; benchmarks/NOTES.md).
+    ACC_TILE_UNITS: tl.constexpr = P_TILE_MAX and P_FMT == P_INT8
+    if ACC_TILE_UNITS:
+        acc_shift = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    else:
+        acc_shift = tl.cast(0.0, tl.float32)  # unused
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
 
@@ -585,20 +613,24 @@ def attention_kernel(
             hi = tl.minimum(Lkv, start_m + BLOCK_M)
             full_hi = tl.minimum(full_hi, ((start_m + 1) // BLOCK_N) * BLOCK_N)
         for start_n in range(0, full_hi, BLOCK_N):
-            acc, acc_unit, m_i, l_i = _tile_step(
-                acc, acc_unit, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base,
-                k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv,
-                qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
-                QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, False, IS_CAUSAL,
+            acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
+                acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base,
+                v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL,
+                Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm,
+                smn, scsc,
+                QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE, MASK_MODE,
+                False, IS_CAUSAL,
                 HAS_DS, POSITIVE_SCALE,
                 K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
         for start_n in range(full_hi, hi, BLOCK_N):
-            acc, acc_unit, m_i, l_i = _tile_step(
-                acc, acc_unit, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base, v_base,
-                k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL, Lq, Lkv,
-                qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
-                QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True, IS_CAUSAL,
+            acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
+                acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base,
+                v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL,
+                Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm,
+                smn, scsc,
+                QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE, MASK_MODE,
+                True, IS_CAUSAL,
                 HAS_DS, POSITIVE_SCALE,
                 K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
@@ -610,11 +642,12 @@ def attention_kernel(
         for i in range(0, n_live):
             n_tile = tl.load(tile_base + i * stn)
             code = tl.load(code_base + n_tile * ssn)
-            acc, acc_unit, m_i, l_i = _tile_step(
-                acc, acc_unit, m_i, l_i, q, q2, q_scale, start_m, n_tile * BLOCK_N, k_base, v_base,
-                k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code, Lq, Lkv,
-                qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm, smn,
-                scsc, QK_FMT, P_FMT, P_TILE_MAX, V_FMT, V_SCALE, EXP_MODE, MASK_MODE, True,
+            acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
+                acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, n_tile * BLOCK_N,
+                k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code,
+                Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm,
+                smn, scsc, QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
+                MASK_MODE, True,
                 IS_CAUSAL,
                 HAS_DS, POSITIVE_SCALE, K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION,
                 USE_TMA,
@@ -625,7 +658,11 @@ def attention_kernel(
     elif V_SCALE == VS_CHANNEL:
         acc = acc * tl.load(vs_base + offs_dv * svsg, mask=offs_dv < HEAD_DV, other=0.0)[None, :]
     seen = l_i > 0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    denom = tl.where(seen, l_i, 1.0)
+    if ACC_TILE_UNITS:  # acc in units of 2^(acc_shift − m_i), acc_shift ≥ m_i − P_TILE_FLOOR
+        # (both finite on a seen row; an unseen row's may be -inf: kept out of the subtraction)
+        denom = denom * tl.math.exp2(tl.where(seen, m_i, 0.0) - tl.where(seen, acc_shift, 0.0))
+    o = acc / denom[:, None]
     if SMOOTH_V:
         vmean = tl.load(vmean_ptr + b * svmb + hkv * svmh + offs_dv, mask=offs_dv < HEAD_DV,
                         other=0.0)
