@@ -397,15 +397,15 @@ def _tile_step(
 
     State: ``acc`` float32 ``[BLOCK_M, BLOCK_DV]`` in units of the scalar ``acc_unit`` (the
     last tile's V scale with ``VS_TILE``, else 1) and, with ``ACC_TILE_UNITS``, of
-    ``2^(acc_shift − m_i)`` per row (``acc_shift`` float32 ``[BLOCK_M]``: the max P of the
-    last tile was quantized against; unused otherwise), ``m_i``/``l_i`` float32
+    ``2^(acc_shift − m_i)`` per row (``acc_shift`` float32 ``[BLOCK_M]``: the max that the
+    last tile's P was quantized against; unused otherwise), ``m_i``/``l_i`` float32
     ``[BLOCK_M]`` (running max in log2 units, running sum in units of the P format's scale).
-    A tile's fresh ``P·V`` is thus added as it comes; the accumulator's per-row rescale
-    moves it to the new tile's units. ``code``: the
-    tile's mask summary (a mixed tile reads the tensor mask). ``BOUNDED``: mask keys
-    ``>= Lkv`` and, with ``IS_CAUSAL``, keys after the query. ``USE_TMA``: K and V tiles come
-    from the descriptors ``k_desc``/``v_desc`` (:func:`kv_descriptors`), else from pointers
-    at ``k_base``/``v_base`` (the descriptor arguments are then unused). Returns
+    A tile's fresh ``P·V`` is added as it comes; the accumulator's per-row rescale moves it
+    to the new tile's units first. ``code``: the tile's mask summary (a mixed tile reads the
+    tensor mask). ``BOUNDED``: mask keys ``>= Lkv`` and, with ``IS_CAUSAL``, keys after the
+    query. ``USE_TMA``: K and V tiles come from the descriptors ``k_desc``/``v_desc``
+    (:func:`kv_descriptors`), else from pointers at ``k_base``/``v_base`` (the descriptor
+    arguments are then unused). Returns
     ``(acc, acc_unit, acc_shift, m_i, l_i)``.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)

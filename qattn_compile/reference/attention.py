@@ -24,7 +24,9 @@ math). How it computes, so that kernel tests know what to compare:
   0, qmax)`` with round half to even, ``l = ΣP̂`` (float64, exact). With ``p_scale: tile``
   (the default of all three) ``x`` is taken against the max ``m_t`` of the row's key
   tile (``key_tile`` keys, aligned at 0: the kernel's ``block_n``) and each P̂ carries the
-  weight ``w = exp(m_t − m)``: ``O = ((P̂·w)·V̂s) / Σ(P̂·w)``. FP8 P (``sage2_*``
+  weight ``w = exp(m_t − m)``: ``O = ((P̂·w)·V̂s) / Σ(P̂·w)``. (The kernels take a tile
+  lying more than 64 below the running max, in log2 units, against that floor: its P̂
+  rounds to 0 where this reference's carries weights below 2^-64.) FP8 P (``sage2_*``
   with ``pv: fp8``, ``fp8``): ``P̂ = fp8_e4m3(448·exp(x))``, ``l = Σ exp(x)`` (compute
   dtype). Native P (``flash``, ``sage2_*`` with ``pv: fp16``): ``P = exp(x)`` cast to V's
   dtype when that is fp16/bf16, ``l = Σ exp(x)`` before the cast; V is not quantized.
