@@ -487,6 +487,7 @@ def _tile_step(
         pv = pv_product(p, v, v_colsum, P_FMT, DOT_PRECISION)
         # The accumulator moves to this tile's units with the per-row rescale it takes
         # anyway, so the fresh product needs no multiply per element.
+        acc_alpha = alpha
         if P_TILE_MAX:
             row_sum = row_sum * weight
         if ACC_TILE_UNITS:
@@ -494,9 +495,6 @@ def _tile_step(
             acc_shift = p_shift
         elif P_TILE_MAX:
             pv = pv * weight[:, None]
-            acc_alpha = alpha
-        else:
-            acc_alpha = alpha
         if V_SCALE == VS_TILE:
             v_scale = tl.load(vs_base + (start_n // V_GROUP) * svsg)
             acc_alpha = acc_alpha * (acc_unit / v_scale)
