@@ -24,8 +24,10 @@ calls SDPA with ``is_causal``). Modes:
 Each mode is timed as the autotuner times a kernel (:func:`qattn_compile.kernels.autotune.
 time_call`: the median of ``triton.testing.do_bench`` over replays of a CUDA graph of one call,
 L2 cleared before each), so launch overhead, which differs between eager and compiled code,
-is out of the comparison, and reported with its cosine to ``eager-cudnn``; ``--profile`` adds the GPU time
-per kernel of one call.
+is out of the comparison. Every mode is compiled and captured first, then timed ``--rounds``
+times in turn (each round times all modes), so that a drift of the clocks or the power cap
+during the run reaches every mode alike; reported: each round, their median, and the cosine
+to ``eager-cudnn``. ``--profile`` adds the GPU time per kernel of one call.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import json
 import logging
+import statistics
 import time
 
 import torch
@@ -82,6 +85,21 @@ def calibrated_scales(block: torch.nn.Module, hidden, cos_sin) -> dict:
     return seen
 
 
+def compiled(mode: str, block: torch.nn.Module, hidden, cos_sin):
+    """The block as ``mode`` runs it (see the module docstring)."""
+    if mode.startswith("eager"):
+        return block
+    if mode.startswith("inductor"):
+        return torch.compile(block)
+    _, preset, *flags = mode.split(":")
+    options = dict(flag.split("=", 1) for flag in flags if "=" in flag)
+    if "static" in flags:
+        alphas = calibrated_scales(block, hidden, cos_sin)
+        options.update(scales="static", static_scales=alphas)
+    policy = {"qattn": 1, "default": preset, "default_options": options}
+    return torch.compile(block, backend=qattn_compile.backend(policy, autotune="autotune" in flags))
+
+
 def profile_table(fn) -> str:
     """GPU time per kernel of one call (after the timed replays)."""
     from torch.profiler import ProfilerActivity, profile
@@ -104,6 +122,8 @@ def main() -> None:
     parser.add_argument("--static", action="store_true",
                         help="also time fmha_int8 with static scales calibrated on the input")
     parser.add_argument("--profile", action="store_true", help="log each mode's GPU time per kernel")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times each mode is timed, all modes in turn (the median is reported)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -115,6 +135,7 @@ def main() -> None:
     if args.autotune:
         modes += [f"qattn:{p}:autotune" for p in args.presets]
         modes += ["qattn:fmha_int8:static:autotune"] if args.static else []
+    timed = []  # (row, replay) of each mode that ran, timed in rounds below
     for shape in args.shapes:
         block, rope = build_block(shape)
         hidden = torch.randn(args.batch, args.seq, SHAPES[shape][0], device="cuda", dtype=torch.bfloat16)
@@ -123,37 +144,34 @@ def main() -> None:
         reference = None
         for mode in modes:
             _compat.reset_dynamo()
-            cudnn = mode.endswith("cudnn")
-            if mode.startswith("eager"):
-                fn = block
-            elif mode.startswith("inductor"):
-                fn = torch.compile(block)
-            else:
-                _, preset, *flags = mode.split(":")
-                options = dict(flag.split("=", 1) for flag in flags if "=" in flag)
-                if "static" in flags:
-                    alphas = calibrated_scales(block, hidden, cos_sin)
-                    options.update(scales="static", static_scales=alphas)
-                policy = {"qattn": 1, "default": preset, "default_options": options}
-                be = qattn_compile.backend(policy, autotune="autotune" in flags)
-                fn = torch.compile(block, backend=be)
             row = {"shape": shape, "mode": mode}
+            results["rows"].append(row)
+            cudnn = mode.endswith("cudnn")
             backend = sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if cudnn else contextlib.nullcontext()
             try:
+                fn = compiled(mode, block, hidden, cos_sin)
                 with torch.no_grad(), backend:
                     call = lambda: fn(hidden, cos_sin, None)[0]  # noqa: E731
                     out = call()
-                    row["ms"] = autotune.time_call(call, hidden.device)
+                    replay = autotune.capture(call, hidden.device)
                     if args.profile:
                         row["profile"] = profile_table(call)
                         log.info("profile %s %s\n%s", shape, mode, row["profile"])
                 reference = out if reference is None else reference
                 row["cos_vs_eager_cudnn"] = compare(out, reference)["cos"]
+                timed.append((row, replay))
             except Exception as exc:  # reported in the table; the other modes still run
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            results["rows"].append(row)
-            log.info("%s B=%d N=%d %-22s %s", shape, args.batch, args.seq, mode,
-                     row.get("error") or f"{row['ms'] * 1e3:8.1f} us  cos {row['cos_vs_eager_cudnn']:.5f}")
+                log.info("%s %s: %s", shape, mode, row["error"])
+    # rounds over all modes, so that a clock or power drift during the run reaches every mode
+    for _ in range(args.rounds):
+        for row, replay in timed:
+            row.setdefault("ms_rounds", []).append(autotune.time_captured(replay, torch.device("cuda")))
+    for row, _ in timed:
+        row["ms"] = statistics.median(row["ms_rounds"])
+        rounds = " / ".join(f"{ms * 1e3:.1f}" for ms in row["ms_rounds"])
+        log.info("%s B=%d N=%d %-34s %8.1f us (rounds %s)  cos %.5f", row["shape"], args.batch,
+                 args.seq, row["mode"], row["ms"] * 1e3, rounds, row["cos_vs_eager_cudnn"])
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
 

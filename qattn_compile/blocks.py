@@ -13,8 +13,8 @@ A quantization *granularity* names how many consecutive tokens share one scale:
   the kernel does once per tile; a per-key scale would cost a multiply per score.
 - ``tensor``: one scale per (batch, head).
 
-``fp8`` reads its groups from :func:`fp8_group_sizes`: its ``block`` is :data:`FP8_BLOCK`
-tokens for Q, K and V alike.
+``fp8`` reads its groups from :func:`fp8_group_sizes`: its ``block`` is Q per token with K
+and V per :data:`FP8_BLOCK` tokens.
 
 Kernels load scales by token index (``token // group``), so most tile sizes work with any
 group; the few constraints between the attention tiles and these groups (per-block V
@@ -26,7 +26,7 @@ QUANT_WARP_Q = 16
 QUANT_BLOCK_Q = 128
 QUANT_BLOCK_KV = 64
 FP8_BLOCK = 128
-"""Tokens per scale of ``fp8``'s ``block`` granularity (Q, K and V): the key tile of its
+"""Tokens per K and V scale of ``fp8``'s ``block`` granularity: the key tile of its
 long-sequence kernels, which a per-block V scale must span. With K and V per 64 tokens the
 tile was capped at 64 keys (H100, 16K, D=128 non-causal, runs 5–6 of session 23 in
 benchmarks/RESULTS.md: 615–667 TOPS with 64-token K/V groups, 765–809 with 128)."""
@@ -64,7 +64,11 @@ def group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
 
 def fp8_group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
     """Tokens per scale for (Q, K/V) of ``fp8``: :func:`group_sizes`, except that ``block``
-    is :data:`FP8_BLOCK` tokens on both sides."""
+    is Q per token with K and V per :data:`FP8_BLOCK` tokens. Q per token costs nothing in
+    the kernel (a query's scale multiplies its score row, once per tile), is the finest Q
+    scale, and lets Inductor write Q's quantization into its RoPE kernel (one reduction per
+    token); per block it took a pass of its own (H100, session 25 in benchmarks/RESULTS.md:
+    the Llama-1B attention block at B=4 × 1K 236 → 204 µs, 16K calls level or faster)."""
     if granularity == "block":
-        return FP8_BLOCK, FP8_BLOCK
+        return 1, FP8_BLOCK
     return group_sizes(granularity, q_len, kv_len)

@@ -69,11 +69,12 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     are below the running row max + threshold.
 ``fp8``
     FlashAttention-3-style FP8: Q, K, V FP8 e4m3 (scale amax/448) per ``granularity``:
-    ``block`` (default; :data:`~qattn_compile.blocks.FP8_BLOCK` = 128 tokens for Q, K and V:
-    one quantizer pass per operand, and a token outlier coarsens only its own block),
-    ``tensor`` (one scale per (batch, head), FlashAttention-3's; a statistics pass per
-    operand first), or ``q_token`` (Q per token, K and V per 64 tokens; the fastest for short
-    prefills in a compiled model).
+    ``block`` (default; Q per token, K and V per :data:`~qattn_compile.blocks.FP8_BLOCK` =
+    128 tokens: one quantizer pass per operand, Q's fused with its RoPE in a compiled model,
+    and a token outlier coarsens only its own block), ``tensor`` (one scale per (batch,
+    head), FlashAttention-3's; a statistics pass per operand first), or ``q_token`` (as
+    ``block`` with K and V per 64 tokens; ~1 % faster for short prefills in a compiled model,
+    slower at long ones, where its per-64-token V caps the key tile at 64).
     ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
 ``none``
     Leave the site as it is.
@@ -259,8 +260,8 @@ class Fp8Options(KernelOptions):
     """Options of ``fp8`` (FlashAttention-3-style FP8)."""
 
     granularity: Literal["tensor", "block", "q_token"] = Field(
-        "block", description="FP8 scales per block of 128 tokens (Q, K and V), per tensor, or "
-        "per token for Q with K and V per 64 tokens (q_token)."
+        "block", description="FP8 scales per token for Q with K and V per block of 128 tokens "
+        "(block), per tensor, or per token for Q with K and V per 64 tokens (q_token)."
     )
 
 

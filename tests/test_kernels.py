@@ -626,6 +626,24 @@ def test_per_tile_v_scales_across_magnitudes(preset, options, causal):
     assert out.isfinite().all()
 
 
+@pytest.mark.parametrize("granularity,per_query", [("block", True), ("q_token", True),
+                                                   ("tensor", False)])
+def test_fp8_query_outlier_leaves_other_queries(granularity, per_query):
+    """``fp8`` ``block`` and ``q_token`` scale Q per token: a query 1000× larger than the
+    rest changes no other query's output, in the kernel or the reference; per tensor it
+    coarsens every query of its head."""
+    q, k, v = make_qkv(lq=70, lkv=90, d=32)
+    options = {"granularity": granularity}
+    loud = q.clone()
+    loud[:, :, 5] *= 1000.0
+    others = torch.arange(70) != 5
+    for run in (kernel_attention, reference_attention):
+        quiet_out, loud_out = (run(x, k, v, preset="fp8", options=options) for x in (q, loud))
+        same = torch.equal(quiet_out[:, :, others], loud_out[:, :, others])
+        assert same == per_query, f"{run.__name__}: other queries unchanged: {same}"
+    check_against_reference(loud, k, v, "fp8", options)
+
+
 @pytest.mark.parametrize("preset", ["int_flash", "fmha_int8", "turbo"])
 def test_tile_p_scale_across_far_apart_tile_maxima(preset):
     """``p_scale: tile`` keeps the accumulator in units of the last tile's weight

@@ -86,8 +86,11 @@ class RotaryAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-@pytest.mark.parametrize("preset", ["int_flash", "sage2_8b", "turbo", "fp8"])
-def test_quantizers_fuse_with_rope(preset):
+@pytest.mark.parametrize("preset,options", [
+    ("int_flash", {}), ("sage2_8b", {}), ("turbo", {}), ("fp8", {}),
+    ("fp8", {"granularity": "q_token"}),
+])
+def test_quantizers_fuse_with_rope(preset, options):
     """Under torch.compile the Q/K quantizers (smoothing means, INT8 quantization, FP8 per
     token) are Inductor ops: RoPE's rotation and the quantizer's rounding land in the same
     generated kernel (not for sage2_8b, see below)."""
@@ -95,7 +98,6 @@ def test_quantizers_fuse_with_rope(preset):
     q, k, v = _inputs()
     angles = torch.rand(777, 128, device="cuda") * 6.28
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    options = {"granularity": "q_token"} if preset == "fp8" else {}
     be = qattn_compile.backend({"qattn": 1, "default": preset, "default_options": options})
     compiled = torch.compile(RotaryAttention(), backend=be, fullgraph=True)
     out, codes = _compat.run_and_get_code(compiled, q, k, v, cos, sin)
@@ -106,8 +108,8 @@ def test_quantizers_fuse_with_rope(preset):
     # RoPE (rotate_half's cat) and the quantizer's rounding in one kernel. Not for sage2_8b:
     # its ΔS GEMM reads the rotated K, and its Q is one quantizer pass of ours (block means
     # and group scales together) over the rotated Q.
-    # fp8 (q_token): Q's amax and rounding per token with RoPE; K per block of keys and V
-    # are one launch of ours (in-tile amax) over the rotated K and V.
+    # fp8 (block and q_token): Q's amax and rounding per token with RoPE; K per block of
+    # keys and V are one launch of ours (in-tile amax) over the rotated K and V.
     sage, fp8 = preset == "sage2_8b", preset == "fp8"
     rounding = "amax" if fp8 else "round"
     fused = [n for n in names if rounding in n and "cat" in n]
@@ -172,7 +174,7 @@ def test_attention_output_feeds_the_projection_without_a_copy(preset, options):
     assert len(eight_bit_q) == 1, f"the 8-bit Q is copied: {eight_bit_q}"
     assert not re.findall(r"def triton_\w*fused_select_\d+\(", code)
     q_scales = re.findall(r"empty_strided_cuda\(\(2, 8, 300\), \(\d+, \d+, \d+\), torch\.float32", code)
-    if options.get("granularity") == "q_token":
+    if preset == "fp8" and options.get("granularity") != "tensor":  # Q per token
         assert q_scales == ["empty_strided_cuda((2, 8, 300), (2400, 1, 8), torch.float32"], q_scales
     assert compare(out, want)["cos"] > 0.995
 

@@ -207,24 +207,38 @@ def _cached(name: str, path: Path) -> AttentionConfig | None:
     return cfg
 
 
-def time_call(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds one call of ``fn`` takes on the GPU: ``fn`` captured in a CUDA graph,
-    then the median of ``triton.testing.do_bench`` over replays (which clears the L2 cache
-    before each). The graph keeps the host's launch cost, which Inductor's compiled code
-    does not pay per call, out of the timing; the cold L2 keeps a short kernel from being
-    timed on inputs a model would not have cached. Under the interpreter: one call's wall
-    time after a first call."""
-    if device.type != "cuda":
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
+def capture(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """One call of ``fn`` as a zero-argument callable to time: on CUDA the replay of a CUDA
+    graph of the call, captured after a first call (which compiles and warms up), so that the
+    host's launch cost, which Inductor's compiled code does not pay per call, stays out of
+    the timing; under the interpreter ``fn`` itself, after a first call."""
     fn()
+    if device.type != "cuda":
+        return fn
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median")
+    return graph.replay
+
+
+def time_captured(replay: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds one ``replay`` (from :func:`capture`) takes: on CUDA the median of
+    ``triton.testing.do_bench``, which clears the L2 cache before each replay so that a short
+    kernel is not timed on inputs a model would not have cached; under the interpreter one
+    call's wall time."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        replay()
+        return (time.perf_counter() - start) * 1e3
+    return triton.testing.do_bench(replay, warmup=5, rep=25, return_mode="median")
+
+
+def time_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds one call of ``fn`` takes on the GPU: :func:`time_captured` of
+    :func:`capture` (CUDA-graph replays, cold L2; under the interpreter one call's wall time
+    after a first call)."""
+    return time_captured(capture(fn, device), device)
 
 
 def random_like_layout(shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype,
