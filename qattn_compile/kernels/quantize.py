@@ -46,7 +46,7 @@ from ..blocks import SMOOTH_Q_BLOCK, V_KEY_BLOCK
 from ..lowering import quantize as lowered
 from ..reference.quant import AMAX_MIN, FP8_E4M3_MAX, ieee_div, num_groups
 from ..reference.quant import INT_QMAX as REF_INT_QMAX
-from .heuristics import padded_dim, quant_config
+from .heuristics import kv_quant_config, padded_dim, quant_config
 from .primitives import (
     interpreted,
     launcher,
@@ -746,7 +746,7 @@ def quantize_fp8_kv(k: Tensor, v: Tensor, group: int) -> tuple[Quantized, Quanti
     n_groups = num_groups(length, group)
     k_scale, v_scale = (torch.empty((bsz, heads, n_groups), device=k.device, dtype=torch.float32)
                         for _ in range(2))
-    cfg = quant_config(dim, k.device, group)
+    cfg = kv_quant_config(dim, k.device, group)
     grid = (2 * triton.cdiv(length, cfg.block_t), bsz * heads)
     launcher(_quantize_kv_kernel, k)[grid](
         k, v, k_data, v_data, k_scale, v_scale, length, v_data.shape[-1], dim, heads, n_groups,
