@@ -4,12 +4,13 @@ memory, and instructions per key tile by class. No GPU needed.
 Run on the CPU machine from the repository root (about 3 s per variant)::
 
     .venv/bin/python benchmarks/attention_sass.py [--presets int_flash sage2_8b fp8] \\
-        [--dim 128] [--causal] [--dump DIR] \\
+        [--dim 128] [--causal] [--traced] [--dump DIR] \\
         [NAME='{"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "tma": true}' ...]
 
 Each ``NAME=JSON`` is an :class:`~qattn_compile.kernels.heuristics.AttentionConfig` (none: the
-H100 table's entry for the preset, read from the table's internals: the entry for a call
-without a mask, with ``--causal`` for a causal one). The operands are random tensors with the
+H100 table's entry for the preset, read from the table's internals: the entry for an eager
+call without a mask, with ``--causal`` for a causal one, with ``--traced`` for a call under
+torch.compile, which takes no register cap; a ``maxnreg`` field caps the registers). The operands are random tensors with the
 dtypes, layouts and scale groups of the preset's default options (:func:`operands`;
 int_flash, fmha_int8, sage2_8b, fp8, flash, and ``sage2_8b_pv16``: sage2_8b with ``pv:
 fp16``), B=1, H=2, N=1024. They go through :func:`qattn_compile.kernels.launch._launch`,
@@ -126,11 +127,14 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dump", type=Path, help="write TTGIR/PTX/SASS of each variant here")
+    parser.add_argument("--traced", action="store_true",
+                        help="the table's entry for a traced call (no register cap)")
     args = parser.parse_args()
     for preset in args.presets:
         table = _table_config(_base_preset(preset), args.dim, "sm90", torch.bfloat16,
                               native_pv=preset.endswith(_NATIVE_PV_SUFFIX),
-                              unmasked=not args.causal)
+                              unmasked=not args.causal, causal_only=args.causal,
+                              register_cap=not args.traced)
         variants = [v.partition("=") for v in args.variants] or [("table", "=", "")]
         for name, _, fields in variants:
             cfg = AttentionConfig(**json.loads(fields)) if fields else table

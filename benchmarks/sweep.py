@@ -31,7 +31,7 @@ from qattn_compile.kernels import autotune, prepare_attention
 from qattn_compile.kernels.heuristics import AttentionConfig, attention_config
 
 PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", "fp8")
-CANDIDATES = {  # name -> (block_m, block_n, num_warps, num_stages, tma)
+CANDIDATES = {
     "ptr 128x64 w8 s3": (128, 64, 8, 3, False),
     "ptr 128x128 w8 s2": (128, 128, 8, 2, False),
     "tma 128x64 w8 s3": (128, 64, 8, 3, True),
@@ -45,7 +45,11 @@ CANDIDATES = {  # name -> (block_m, block_n, num_warps, num_stages, tma)
     "tma 64x128 w4 s3": (64, 128, 4, 3, True),
     "tma 64x64 w4 s3": (64, 64, 4, 3, True),
     "tma 64x64 w4 s4": (64, 64, 4, 4, True),
+    "tma 64x128 w4 s2 r168": (64, 128, 4, 2, True, 168),
+    "tma 64x128 w4 s3 r168": (64, 128, 4, 3, True, 168),
+    "tma 64x128 w4 s3 r128": (64, 128, 4, 3, True, 128),
 }
+"""name -> (block_m, block_n, num_warps, num_stages, tma[, maxnreg]); ``rN``: at most N registers."""
 
 
 def run_one(preset, options, q, k, v, causal, cfg, graph: bool) -> tuple[torch.Tensor, float]:
@@ -83,11 +87,12 @@ def main() -> None:
                    for _ in range(3))
         for causal in causal_modes:
             for preset in args.presets:
-                default = attention_config(preset, d, q.device, q.dtype, keys=n, unmasked=not causal)
+                default = attention_config(preset, d, q.device, q.dtype, keys=n, unmasked=not causal,
+                                           causal_only=causal, register_cap=True)
                 base_out = None
                 for name in args.configs:
-                    bm, bn, warps, stages, tma = CANDIDATES[name]
-                    cfg = AttentionConfig(bm, bn, warps, stages, tma=tma)
+                    bm, bn, warps, stages, tma, *cap = CANDIDATES[name]
+                    cfg = AttentionConfig(bm, bn, warps, stages, tma=tma, maxnreg=cap[0] if cap else None)
                     row = {"d": d, "causal": causal, "preset": preset, "config": name,
                            "is_default": cfg == default}
                     try:

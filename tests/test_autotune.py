@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 import json  # noqa: E402
 import logging  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -139,7 +140,8 @@ def _key(preset="int_flash", options=None, lq=45, lkv=45, causal=False, mask=Non
         strides = [(n * 128, 64, 128, 1) for n in (lq, lkv, lkv)]
     else:
         strides = [(n * 128, n * 64, 64, 1) for n in (lq, lkv, lkv)]
-    return autotune.TuneKey.of(preset, opts, shapes, strides, torch.float16, mask, causal, scale)
+    return autotune.TuneKey.of(preset, opts, shapes, strides, torch.float16, mask, causal, scale,
+                               register_cap=False)
 
 
 def test_key_buckets_lengths_and_separates_what_matters():
@@ -320,6 +322,72 @@ def test_unmasked_calls_take_their_measured_h100_tile(monkeypatch):
     for kwargs, want in [({}, two_stages), ({"is_causal": True}, long_tile),
                          ({"attn_mask": visible}, long_tile)]:
         assert prepare_attention(q, k, v, preset="fp8", **kwargs).cfg == want, kwargs
+
+
+def test_register_capped_tiles_only_where_the_launch_takes_the_cap(monkeypatch):
+    """The H100 table's capped tiles (D=128: two stages, ``maxnreg=168``; D=64: ``maxnreg=128``)
+    go to eager launches of long calls without a tensor mask, per preset and mask kind; a traced launch (no cap), a short
+    call, a tensor mask, or a constraint that changes the tile (fp8 ``q_token``'s 64-token V)
+    gets the uncapped entry; the autotuner's first candidate is the same entry, and an
+    explicit cap where the launch cannot pass it is refused."""
+    monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
+    capped = AttentionConfig(64, 128, 4, 2, tma=True, maxnreg=168)
+    long_tile = AttentionConfig(64, 128, 4, 3, tma=True)
+    cases = [  # preset, keys, mask kind, register_cap, v_block, want
+        ("sage2_8b", 16384, "none", True, 0, capped),
+        ("sage2_8b", 16384, "none", False, 0, long_tile),
+        ("sage2_8b", 16384, "causal", True, 0, capped),
+        ("sage2_8b", 16384, "causal", False, 0, long_tile),
+        ("fmha_int8", 16384, "causal", True, 0, capped),
+        ("fmha_int8", 16384, "tensor", True, 0, long_tile),
+        ("fmha_int8", 2048, "none", True, 0, long_tile),
+        ("fp8", 16384, "causal", True, 128, capped),
+        ("fp8", 16384, "causal", True, 64, AttentionConfig(64, 64, 4, 3, tma=True)),
+        ("fp8", 16384, "none", True, 128, AttentionConfig(64, 128, 4, 2, tma=True)),
+        ("int_flash", 16384, "none", True, 0, long_tile),
+    ]
+    four_per_sm = AttentionConfig(64, 128, 4, 3, tma=True, maxnreg=128)
+    cases += [(preset, 16384, kind, True, v_block, want, 64) for preset, kind, v_block, want in [
+        ("fp8", "causal", 128, four_per_sm), ("sage2_8b", "none", 0, four_per_sm),
+        ("sage2_8b", "causal", 0, long_tile), ("fp8", "none", 128, long_tile)]]
+    for preset, keys, kind, cap, v_block, want, *dim in cases:
+        dim = dim[0] if dim else 128
+        table_args = dict(smooth_q=preset == "sage2_8b", keys=keys, unmasked=kind == "none",
+                          causal_only=kind == "causal", register_cap=cap, v_block=v_block)
+        got = heuristics.attention_config(preset, dim, CPU, torch.bfloat16, **table_args)
+        first = heuristics.attention_candidates(preset, dim, CPU, torch.bfloat16, **table_args)
+        assert got == first[0] == want, (preset, keys, kind, cap, v_block)
+        assert cap or all(c.maxnreg is None for c in first), first
+    with pytest.raises(ValueError, match=r"maxnreg=168 needs an eager launch on CUDA tensors"):
+        heuristics.attention_config("fp8", 128, CPU, override=capped)
+    q, k, v = (torch.randn(1, 2, 40, 64, dtype=torch.float16) for _ in range(3))
+    with pytest.raises(ValueError, match=r"maxnreg=168 needs an eager launch"):
+        prepare_attention(q, k, v, preset="fp8", config=replace(capped, block_m=32, tma=False))
+
+
+def test_register_cap_reaches_the_kernel_launch(monkeypatch):
+    """Where the launch takes a cap, the config's ``maxnreg`` is passed to the kernel launch
+    (the interpreter accepts and ignores it) and the result is unchanged."""
+    from qattn_compile.kernels import launch
+
+    launched = []
+
+    def recording(kernel, like):
+        def at(grid):
+            def run(*args, **kwargs):
+                launched.append(kwargs.get("maxnreg"))
+                return kernel[grid](*args, **kwargs)
+            return run
+        return type("Launch", (), {"__getitem__": lambda self, grid: at(grid)})()
+
+    monkeypatch.setattr(launch, "launcher", recording)
+    monkeypatch.setattr(launch, "launch_takes_register_cap", lambda like: True)
+    q, k, v = (torch.randn(1, 2, 40, 64, dtype=torch.float16) for _ in range(3))
+    plain = prepare_attention(q, k, v, preset="fp8", config=AttentionConfig(32, 32, 4, 1)).run()
+    capped = prepare_attention(q, k, v, preset="fp8",
+                               config=AttentionConfig(32, 32, 4, 1, maxnreg=64)).run()
+    assert launched == [None, 64]
+    assert torch.equal(plain, capped)
 
 
 def test_tile_overrides_that_break_a_launch_contract_are_refused():

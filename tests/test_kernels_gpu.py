@@ -89,6 +89,27 @@ def test_gpu_fp8_unmasked_long_keys(length):
     check(q, k, v, "fp8", label=f"no mask L={length}")
 
 
+@pytest.mark.parametrize("preset,causal,d", [
+    ("sage2_8b", False, 128), ("sage2_8b", True, 128), ("fmha_int8", False, 128),
+    ("fmha_int8", True, 128), ("fp8", True, 128), ("sage2_8b", False, 64), ("fp8", True, 64),
+])
+def test_gpu_register_capped_tiles(preset, causal, d):
+    """The H100 table's register-capped tiles (D=128: ``maxnreg=168``, two stages; D=64:
+    ``maxnreg=128``) at 4K+ keys, with a ragged last key tile and K outliers: the eager call
+    takes the cap, the launch passes it (the compiled kernel stays within it) and the
+    accuracy criterion holds."""
+    cap = {128: 168, 64: 128}[d]
+    q, k, v = make_qkv(b=1, hq=4, lq=4100, d=d, outliers=True)
+    cfg = _kernels().prepare_attention(q, k, v, preset=preset, is_causal=causal).cfg
+    assert cfg.maxnreg == cap, cfg
+    check(q, k, v, preset, label=f"capped, causal={causal} L=4100", is_causal=causal)
+    from qattn_compile.kernels import attention as ak
+
+    compiled = [kernel for cache in ak.attention_kernel.device_caches.values()
+                for kernel in cache[0].values() if kernel.metadata.maxnreg == cap]
+    assert compiled and all(kernel.n_regs <= cap for kernel in compiled), compiled
+
+
 @pytest.mark.parametrize("preset", ALL_PRESETS)
 def test_gpu_hf_bool_mask_fully_masked_rows(preset):
     """transformers' materialized ``[B, 1, L, L]`` causal+padding mask, left padding."""

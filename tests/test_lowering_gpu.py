@@ -73,6 +73,31 @@ def test_inlined_int8_values_keep_the_tma_layout():
     assert compare(out, ref)["cos"] > 0.998
 
 
+class FullAttention(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_compiled_call_takes_the_uncapped_tile():
+    """At 4K keys, D=128, no mask, an eager fmha_int8 call runs the table's register-capped
+    tile (two stages, ``maxnreg=168``); compiled, Inductor's code could not pass the cap, so
+    the same call runs the uncapped three-stage tile, with no cap in the code, and agrees
+    with the eager output."""
+    from qattn_compile.kernels import prepare_attention
+
+    _compat.reset_dynamo()
+    q, k, v = (torch.randn(1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert prepare_attention(q, k, v, preset="fmha_int8").cfg.maxnreg == 168
+    be = qattn_compile.backend({"qattn": 1, "default": "fmha_int8"})
+    compiled = torch.compile(FullAttention(), backend=be, fullgraph=True)
+    out, codes = _compat.run_and_get_code(compiled, q, k, v)
+    code = "\n".join(codes)
+    assert "def attention_kernel(" in code and "maxnreg" not in code
+    assert re.search(r"'num_stages': 3", code), "the compiled call lost the uncapped tile"
+    eager = qattn_compile.attention(q, k, v, preset="fmha_int8")
+    assert compare(out, eager)["cos"] > 0.9999
+
+
 class RotaryAttention(nn.Module):
     """RoPE on Q and K (transformers' ``rotate_half`` form), then causal GQA SDPA."""
 

@@ -107,19 +107,23 @@ class TuneKey:
     TMA depends on it."""
     positive_scale: bool
     """The softmax scale is positive (a kernel specialisation)."""
+    register_cap: bool
+    """The launch can pass a register cap (an eager call; a traced one cannot), so the
+    candidates may hold capped tiles (:attr:`~.heuristics.AttentionConfig.maxnreg`)."""
 
     @classmethod
     def of(cls, preset: str, options, shapes, strides, dtype: torch.dtype,
-           attn_mask: Tensor | None, is_causal: bool, scale: float | None) -> "TuneKey":
+           attn_mask: Tensor | None, is_causal: bool, scale: float | None, *,
+           register_cap: bool) -> "TuneKey":
         """The key of a call: ``shapes`` and ``strides`` of q, k, v (``[B, H, L, D]``, size
         hints as ints; lengths and batch bucketed), ``scale`` the softmax scale (None:
-        ``1/sqrt(D)``)."""
+        ``1/sqrt(D)``), ``register_cap`` as the field."""
         mask = "none" if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
         (b, hq, lq, d), (_, hkv, lkv, _), (*_, dv) = shapes
         layout = "/".join(_memory_order(shape, stride) for shape, stride in zip(shapes, strides))
         return cls(preset, _keyed_options(options), str(dtype).removeprefix("torch."),
                    _bucket(b), hq, hkv, _bucket(lq), _bucket(lkv), d, dv, bool(is_causal), mask,
-                   layout, scale is None or scale > 0)
+                   layout, scale is None or scale > 0, register_cap)
 
     def text(self, device: torch.device) -> str:
         """The cache entry's name: this key plus the environment of ``device``."""

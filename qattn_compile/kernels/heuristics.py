@@ -58,6 +58,12 @@ class AttentionConfig:
     num_stages: int
     tma: bool = False
     """K/V tiles through TMA descriptors (Hopper; only where the operands are aligned)."""
+    maxnreg: int | None = None
+    """Registers per thread the compiler may allocate (ptxas ``.maxnreg``); None leaves it
+    its own choice. A cap lets one more program share an SM's 64 K registers: 168 for three
+    4-warp programs, 128 for four. Only a launch on real CUDA tensors can pass it
+    (:func:`~.primitives.launch_takes_register_cap`): Inductor's code for a user Triton
+    kernel does not carry it, so traced calls get uncapped tiles (``register_cap``)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,34 @@ _UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
 }
 
 
+# Register-capped tiles, for launches that can pass ``maxnreg`` (eager calls on CUDA
+# tensors; ``register_cap``), by (preset, padded head dim, arch, mask kind: ``none`` without
+# any mask, ``causal`` for the causal flag without a tensor mask), for at least
+# :data:`_CAPPED_MIN_KEYS` keys. At D=128, two pipeline stages (74.8 KB of shared memory) and
+# 168 registers let three programs share an SM where the uncapped tiles fit two (ptxas takes
+# 190-225 registers for them; at 168 it spills nothing in sage2_8b's kernel without a mask
+# and fp8's causal one, 9 instructions in fmha_int8's, 45 in sage2_8b's causal one). At D=64, 128
+# registers let four programs share an SM instead of three (no spills). Kernel alone, H100,
+# TOPS uncapped (the table's tile) → capped, 16K / 4K (benchmarks/RESULTS.md, session 25):
+# D=128 sage2_8b 727 → 776 / 686 → 755, causal 694 → 708 / 587 → 635; fmha_int8 617 → 717 /
+# 569 → 664, causal 600 → 679 / 501 → 578; fp8 causal 783 → 814 / 670 → 739. D=64 (16K):
+# fp8 causal 572 → 595, sage2_8b 509 → 539 (causal 494 → 484 with spills: not capped). fp8
+# without a mask already compiles to 168 registers with two stages at D=128
+# (:data:`_UNMASKED`) and to 120 at D=64.
+_THREE_PER_SM = AttentionConfig(64, 128, 4, 2, tma=True, maxnreg=168)
+_FOUR_PER_SM = AttentionConfig(64, 128, 4, 3, tma=True, maxnreg=128)
+_REGISTER_CAPPED: dict[tuple[str, int, str, str], AttentionConfig] = {
+    ("sage2_8b", 128, "sm90", "none"): _THREE_PER_SM,
+    ("sage2_8b", 128, "sm90", "causal"): _THREE_PER_SM,
+    ("fmha_int8", 128, "sm90", "none"): _THREE_PER_SM,
+    ("fmha_int8", 128, "sm90", "causal"): _THREE_PER_SM,
+    ("fp8", 128, "sm90", "causal"): _THREE_PER_SM,
+    ("sage2_8b", 64, "sm90", "none"): _FOUR_PER_SM,
+    ("fp8", 64, "sm90", "causal"): _FOUR_PER_SM,
+}
+_CAPPED_MIN_KEYS = 4096
+
+
 def _family(preset: str, dtype: torch.dtype) -> str:
     """Operand width family: quantized presets use 8-bit dots, ``flash`` the input dtype."""
     if preset != "flash":
@@ -245,11 +279,14 @@ def _constrained(cfg: AttentionConfig, v_block: int, smooth_q: bool) -> Attentio
 
 def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype,
                   native_pv: bool = False, keys: int | None = None,
-                  unmasked: bool = False) -> AttentionConfig:
+                  unmasked: bool = False, causal_only: bool = False,
+                  register_cap: bool = False) -> AttentionConfig:
     """The table entry (or the interpreter's tile) before the constraints; ``native_pv``: the
     preset's P·V runs on native (16-bit) P and V (:data:`_NATIVE_PV`); ``keys``: the call's
     key length, when known (:data:`_SHORT_KEYS`); ``unmasked``: every key is visible to
-    every query (no causal flag, no tensor mask; :data:`_UNMASKED`)."""
+    every query (no causal flag, no tensor mask; :data:`_UNMASKED`); ``causal_only``: the
+    causal flag without a tensor mask; ``register_cap``: the launch can pass ``maxnreg``
+    (:data:`_REGISTER_CAPPED`)."""
     if arch == "interp":
         return _INTERP_ATTENTION
     dim = padded_dim(head_dim)
@@ -258,9 +295,28 @@ def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype,
     short = _SHORT_KEYS.get((preset, dim, arch))
     if short is not None and not native_pv and keys is not None and keys <= short[0]:
         return short[1]
+    mask_kind = "none" if unmasked else "causal" if causal_only else "tensor"
+    capped = _REGISTER_CAPPED.get((preset, dim, arch, mask_kind))
+    if (capped is not None and register_cap and not native_pv
+            and (keys is None or keys >= _CAPPED_MIN_KEYS)):
+        return capped
     if unmasked and not native_pv and (preset, dim, arch) in _UNMASKED:
         return _UNMASKED[(preset, dim, arch)]
     return _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), dim, arch)]
+
+
+def _fitted_table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked,
+                         causal_only, register_cap, v_block, smooth_q) -> AttentionConfig:
+    """:func:`_table_config` shrunk to the constraints (:func:`_constrained`). A capped tile
+    that the constraints would change gives way to the uncapped entry: its cap was chosen
+    for that tile's registers."""
+    table = _table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked,
+                          causal_only, register_cap)
+    cfg = _constrained(table, v_block, smooth_q)
+    if table.maxnreg is not None and cfg != table:
+        return _fitted_table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked,
+                                    causal_only, False, v_block, smooth_q)
+    return cfg
 
 
 def attention_config(
@@ -274,12 +330,16 @@ def attention_config(
     native_pv: bool = False,
     keys: int | None = None,
     unmasked: bool = False,
+    causal_only: bool = False,
+    register_cap: bool = False,
     override: AttentionConfig | None = None,
 ) -> AttentionConfig:
     """Tile sizes for the attention kernel of ``preset`` at ``head_dim`` on ``device`` for
     inputs of ``dtype`` and ``keys`` keys (None: the long-sequence entry), ``unmasked`` when
-    no mask of any kind applies (``override``: a caller's choice, e.g. a benchmark sweep or
-    the autotuner's pick).
+    no mask of any kind applies, ``causal_only`` for the causal flag without a tensor mask
+    (``override``: a caller's choice, e.g. a benchmark sweep or the autotuner's pick).
+    ``register_cap``: the launch can pass a register cap (``maxnreg``), so the table may
+    answer with a capped tile; without it an ``override`` with a cap raises ``ValueError``.
 
     ``v_block`` (V's tokens per scale when V has one scale per block of tokens, else 0) and
     ``smooth_q`` state which divisibility constraints (module docstring) apply: a table
@@ -290,9 +350,11 @@ def attention_config(
     if override is not None:
         cfg = override
     else:
-        table = _table_config(preset, head_dim, arch_of(device), dtype, native_pv, keys,
-                              unmasked)
-        cfg = _constrained(table, v_block, smooth_q)
+        cfg = _fitted_table_config(preset, head_dim, arch_of(device), dtype, native_pv, keys,
+                                   unmasked, causal_only, register_cap, v_block, smooth_q)
+    if cfg.maxnreg is not None and not register_cap:
+        raise ValueError(f"maxnreg={cfg.maxnreg} needs an eager launch on CUDA tensors: "
+                         "Inductor's code for a user Triton kernel does not pass it")
     if cfg.block_m < MIN_BLOCK_M:
         raise ValueError(f"block_m={cfg.block_m} must be at least {MIN_BLOCK_M}")
     for unit in sorted({V_KEY_BLOCK, V_COLSUM_TOKENS}):
@@ -400,15 +462,18 @@ def attention_candidates(
     native_pv: bool = False,
     keys: int | None = None,
     unmasked: bool = False,
+    causal_only: bool = False,
+    register_cap: bool = False,
 ) -> list[AttentionConfig]:
     """The configs :mod:`.autotune` times for ``preset`` at ``head_dim`` on ``device``: the
-    table entry for ``keys`` keys (and ``unmasked``) first, then the arch's candidates, each
-    shrunk to the constraints that apply (as :func:`attention_config`), without duplicates.
-    A candidate may still not fit the GPU's shared memory; the tuner skips those."""
+    table entry for the call (arguments as :func:`attention_config`) first, then the arch's
+    candidates, each shrunk to the constraints that apply, without duplicates. A candidate
+    may still not fit the GPU's shared memory; the tuner skips those."""
     arch = arch_of(device)
-    first = _table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked)
-    out: list[AttentionConfig] = []
-    for cfg in (first, *_CANDIDATES[(arch, padded_dim(head_dim))]):
+    first = _fitted_table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked,
+                                 causal_only, register_cap, v_block, smooth_q)
+    out: list[AttentionConfig] = [first]
+    for cfg in _CANDIDATES[(arch, padded_dim(head_dim))]:
         cfg = _constrained(cfg, v_block, smooth_q)
         if cfg not in out:
             out.append(cfg)

@@ -38,7 +38,8 @@ from .heuristics import (
     qk_block_dim,
 )
 from .mask import MaskPlan, plan_mask
-from .primitives import ensure_tma_allocator, interpreted, launcher, tma_compatible
+from .primitives import (ensure_tma_allocator, interpreted, launch_takes_register_cap, launcher,
+                         tma_compatible)
 from .quantize import (
     Quantized,
     delta_s,
@@ -340,6 +341,7 @@ def _launch(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=qk_block_dim(dim, ops.switches["QK_FMT"] == int(ak.QK_INT4)),
         BLOCK_DV=padded_dim(dv), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         **{name: int(value) for name, value in ops.switches.items()},
     )
 
@@ -512,15 +514,15 @@ def prepare_attention(
     v_block = ops.v_group if per_block_v else 0  # V's tokens per scale, for the tile constraint
     smooth_q = ops.delta_s is not None
     native_pv = preset != "flash" and int(ops.switches["P_FMT"]) == int(ak.P_NATIVE)
-    unmasked = attn_mask is None and not is_causal
+    table_args = dict(v_block=v_block, smooth_q=smooth_q, native_pv=native_pv, keys=lkv,
+                      unmasked=attn_mask is None and not is_causal,
+                      causal_only=attn_mask is None and bool(is_causal),
+                      register_cap=launch_takes_register_cap(q))
     if config is None and getattr(opts, "autotune", False):
-        candidates = attention_candidates(preset, max(dim, dv), q.device, q.dtype,
-                                          v_block=v_block, smooth_q=smooth_q,
-                                          native_pv=native_pv, keys=lkv, unmasked=unmasked)
-        config = _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale, candidates)
-    cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, v_block=v_block,
-                           smooth_q=smooth_q, native_pv=native_pv, keys=lkv,
-                           unmasked=unmasked, override=config)
+        candidates = attention_candidates(preset, max(dim, dv), q.device, q.dtype, **table_args)
+        config = _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale,
+                            candidates)
+    cfg = attention_config(preset, max(dim, dv), q.device, q.dtype, **table_args, override=config)
     mask = plan_mask(attn_mask, (bsz, hq, lq, lkv), cfg.block_m, cfg.block_n, bool(is_causal))
     if ops.v_colsum is not None:  # once per call, not per run of the prepared call
         ops.v_colsum = _colsum_per_tile(ops.v_colsum, cfg.block_n)
@@ -548,7 +550,8 @@ def _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale
         logger.warning("qattn autotune: %s has a data-dependent size (q %s); using the table's tiles",
                        preset, tuple(q.shape))
         return None
-    key = autotune.TuneKey.of(preset, opts, shapes, strides, q.dtype, attn_mask, is_causal, scale)
+    key = autotune.TuneKey.of(preset, opts, shapes, strides, q.dtype, attn_mask, is_causal, scale,
+                              register_cap=launch_takes_register_cap(q))
 
     def make_inputs():
         q_, k_, v_ = (autotune.random_like_layout(shape, stride, q.dtype, q.device)

@@ -32,6 +32,15 @@ def launcher(kernel, like: torch.Tensor):
     return torch.library.wrap_triton(kernel)
 
 
+def launch_takes_register_cap(like: torch.Tensor) -> bool:
+    """Whether a launch on tensors like ``like`` can pass a register cap (Triton's
+    ``maxnreg``): a plain launch on real CUDA tensors. While torch traces, the launch goes
+    into Inductor's generated code, whose configs for a user Triton kernel keep only the
+    warps and stages (torch 2.11–2.13: ``config_to_dict`` and the compile options of
+    ``triton_heuristics``), so a cap would be dropped without a word."""
+    return type(like) is torch.Tensor and like.device.type == "cuda"
+
+
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """Whether TMA descriptors can address every tensor: contiguous last dim, 16-byte aligned
     other strides and base (the storage offset; allocations themselves are aligned)."""
