@@ -91,14 +91,15 @@ def test_gpu_fp8_unmasked_long_keys(length):
 
 @pytest.mark.parametrize("preset,causal,d", [
     ("sage2_8b", False, 128), ("sage2_8b", True, 128), ("fmha_int8", False, 128),
-    ("fmha_int8", True, 128), ("fp8", True, 128), ("sage2_8b", False, 64), ("fp8", True, 64),
+    ("fmha_int8", True, 128), ("fp8", True, 128), ("int_flash", False, 128),
+    ("sage2_8b", False, 64), ("fp8", True, 64), ("int_flash", True, 64),
 ])
 def test_gpu_register_capped_tiles(preset, causal, d):
     """The H100 table's register-capped tiles (D=128: ``maxnreg=168``, two stages; D=64:
-    ``maxnreg=128``) at 4K+ keys, with a ragged last key tile and K outliers: the eager call
+    ``maxnreg=128``, int_flash's 168) at 4K+ keys, with a ragged last key tile and K outliers: the eager call
     takes the cap, the launch passes it (the compiled kernel stays within it) and the
     accuracy criterion holds."""
-    cap = {128: 168, 64: 128}[d]
+    cap = 168 if d == 128 or preset == "int_flash" else 128
     q, k, v = make_qkv(b=1, hq=4, lq=4100, d=d, outliers=True)
     cfg = _kernels().prepare_attention(q, k, v, preset=preset, is_causal=causal).cfg
     assert cfg.maxnreg == cap, cfg

@@ -178,25 +178,30 @@ _UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
 # any mask, ``causal`` for the causal flag without a tensor mask), for at least
 # :data:`_CAPPED_MIN_KEYS` keys. At D=128, two pipeline stages (74.8 KB of shared memory) and
 # 168 registers let three programs share an SM where the uncapped tiles fit two (ptxas takes
-# 190-225 registers for them; at 168 it spills nothing in sage2_8b's kernel without a mask
-# and fp8's causal one, 9 instructions in fmha_int8's, 45 in sage2_8b's causal one). At D=64, 128
-# registers let four programs share an SM instead of three (no spills). Kernel alone, H100,
+# 190-248 registers for them; at 168 it spills nothing in sage2_8b's kernel without a mask
+# and fp8's causal one, 9 instructions in fmha_int8's, 34 in int_flash's, 45 in sage2_8b's
+# causal one). At D=64, 128 registers let four programs share an SM instead of three (no
+# spills), and int_flash's causal tile (230 registers) fits three at 168. Kernel alone, H100,
 # TOPS uncapped (the table's tile) → capped, 16K / 4K (benchmarks/RESULTS.md, session 25):
 # D=128 sage2_8b 727 → 776 / 686 → 755, causal 694 → 708 / 587 → 635; fmha_int8 617 → 717 /
-# 569 → 664, causal 600 → 679 / 501 → 578; fp8 causal 783 → 814 / 670 → 739. D=64 (16K):
-# fp8 causal 572 → 595, sage2_8b 509 → 539 (causal 494 → 484 with spills: not capped). fp8
-# without a mask already compiles to 168 registers with two stages at D=128
-# (:data:`_UNMASKED`) and to 120 at D=64.
+# 569 → 664, causal 600 → 679 / 501 → 578; fp8 causal 783 → 814 / 670 → 739; int_flash 701 →
+# 731 (causal 681 → 697: within the rounds' spread, not capped). D=64: fp8 causal 572 → 595 /
+# 483 → 520, sage2_8b 509 → 539 / 476 → 506 (causal 494 → 484 / 416 → 405 with spills: not
+# capped), int_flash causal 421 → 442 (16K). fp8 without a mask already compiles to 168
+# registers with two stages at D=128 (:data:`_UNMASKED`) and to 120 at D=64.
 _THREE_PER_SM = AttentionConfig(64, 128, 4, 2, tma=True, maxnreg=168)
 _FOUR_PER_SM = AttentionConfig(64, 128, 4, 3, tma=True, maxnreg=128)
+_THREE_PER_SM_D64 = AttentionConfig(64, 128, 4, 3, tma=True, maxnreg=168)
 _REGISTER_CAPPED: dict[tuple[str, int, str, str], AttentionConfig] = {
     ("sage2_8b", 128, "sm90", "none"): _THREE_PER_SM,
     ("sage2_8b", 128, "sm90", "causal"): _THREE_PER_SM,
     ("fmha_int8", 128, "sm90", "none"): _THREE_PER_SM,
     ("fmha_int8", 128, "sm90", "causal"): _THREE_PER_SM,
     ("fp8", 128, "sm90", "causal"): _THREE_PER_SM,
+    ("int_flash", 128, "sm90", "none"): _THREE_PER_SM,
     ("sage2_8b", 64, "sm90", "none"): _FOUR_PER_SM,
     ("fp8", 64, "sm90", "causal"): _FOUR_PER_SM,
+    ("int_flash", 64, "sm90", "causal"): _THREE_PER_SM_D64,
 }
 _CAPPED_MIN_KEYS = 4096
 
