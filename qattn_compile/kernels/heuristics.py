@@ -204,6 +204,8 @@ _REGISTER_CAPPED: dict[tuple[str, int, str, str], AttentionConfig] = {
     ("int_flash", 64, "sm90", "causal"): _THREE_PER_SM_D64,
 }
 _CAPPED_MIN_KEYS = 4096
+"""Keys from which :data:`_REGISTER_CAPPED` applies: its tiles were measured at 4K and 16K;
+shorter calls keep the table's (and :data:`_SHORT_KEYS`') uncapped tiles."""
 
 
 def _family(preset: str, dtype: torch.dtype) -> str:
