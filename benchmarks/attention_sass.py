@@ -10,13 +10,13 @@ Run on the CPU machine from the repository root (about 3 s per variant)::
 Each ``NAME=JSON`` is an :class:`~qattn_compile.kernels.heuristics.AttentionConfig` (none: the
 H100 table's entry for the preset, read from the table's internals: the entry for an eager
 call without a mask, with ``--causal`` for a causal one, with ``--traced`` for a call under
-torch.compile, which takes no register cap; a ``maxnreg`` field caps the registers). The operands are random tensors with the
-dtypes, layouts and scale groups of the preset's default options (:func:`operands`;
-int_flash, fmha_int8, sage2_8b, fp8, flash, and ``sage2_8b_pv16``: sage2_8b with ``pv:
-fp16``), B=1, H=2, N=1024. They go through :func:`qattn_compile.kernels.launch._launch`,
-whose kernel call is intercepted and compiled as :mod:`decode_sass` does (same caveats:
-Triton internals, Triton 3.9 here against the GPU's 3.6). Counts are per loop iteration,
-i.e. per key tile, per warp. The backward branches of the TMA barriers' retry loops make
+torch.compile, which takes no register cap; a ``maxnreg`` field caps the registers). The
+operands are random tensors with the dtypes, layouts and scale groups of the preset's default
+options (:func:`operands`; int_flash, fmha_int8, sage2_8b, fp8, flash, and ``sage2_8b_pv16``:
+sage2_8b with ``pv: fp16``), B=1, H=2, N=1024. They go through
+:func:`qattn_compile.kernels.launch._launch`, whose kernel call is intercepted and compiled as
+:mod:`decode_sass` does (same caveats: Triton internals; install the GPU's Triton 3.6 for its
+register counts). Counts are per loop iteration, i.e. per key tile, per warp. The backward branches of the TMA barriers' retry loops make
 some listed ranges span several loops: the main loop is a short range with one set of score
 MMAs and one of P·V MMAs (GMMA 8 at 64×128, D=128). What it is good for: seeing what a
 kernel change does to the instructions of the loop (NOTES, session 9: two adds per score

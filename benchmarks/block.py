@@ -166,7 +166,8 @@ def main() -> None:
     # rounds over all modes, so that a clock or power drift during the run reaches every mode
     for _ in range(args.rounds):
         for row, replay in timed:
-            row.setdefault("ms_rounds", []).append(autotune.time_captured(replay, torch.device("cuda")))
+            ms = autotune.time_captured(replay, torch.device("cuda"))
+            row.setdefault("ms_rounds", []).append(ms)
     for row, _ in timed:
         row["ms"] = statistics.median(row["ms_rounds"])
         rounds = " / ".join(f"{ms * 1e3:.1f}" for ms in row["ms_rounds"])

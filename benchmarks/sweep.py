@@ -87,12 +87,14 @@ def main() -> None:
                    for _ in range(3))
         for causal in causal_modes:
             for preset in args.presets:
-                default = attention_config(preset, d, q.device, q.dtype, keys=n, unmasked=not causal,
-                                           causal_only=causal, register_cap=True)
+                default = attention_config(preset, d, q.device, q.dtype, keys=n,
+                                           unmasked=not causal, causal_only=causal,
+                                           register_cap=True)
                 base_out = None
                 for name in args.configs:
                     bm, bn, warps, stages, tma, *cap = CANDIDATES[name]
-                    cfg = AttentionConfig(bm, bn, warps, stages, tma=tma, maxnreg=cap[0] if cap else None)
+                    cfg = AttentionConfig(bm, bn, warps, stages, tma=tma,
+                                          maxnreg=cap[0] if cap else None)
                     row = {"d": d, "causal": causal, "preset": preset, "config": name,
                            "is_default": cfg == default}
                     try:

@@ -325,11 +325,12 @@ def test_unmasked_calls_take_their_measured_h100_tile(monkeypatch):
 
 
 def test_register_capped_tiles_only_where_the_launch_takes_the_cap(monkeypatch):
-    """The H100 table's capped tiles (D=128: two stages, ``maxnreg=168``; D=64: ``maxnreg=128``)
-    go to eager launches of long calls without a tensor mask, per preset and mask kind; a traced launch (no cap), a short
-    call, a tensor mask, or a constraint that changes the tile (fp8 ``q_token``'s 64-token V)
-    gets the uncapped entry; the autotuner's first candidate is the same entry, and an
-    explicit cap where the launch cannot pass it is refused."""
+    """The H100 table's capped tiles (D=128: two stages, ``maxnreg=168``; D=64: ``maxnreg=128``,
+    int_flash's 168) go to eager launches of long calls without a tensor mask, per preset and
+    mask kind; a traced launch (no cap), a short call, a tensor mask, or a constraint that
+    changes the tile (fp8 ``q_token``'s 64-token V) gets the uncapped entry; the autotuner's
+    first candidate is the same entry, and an explicit cap where the launch cannot pass it is
+    refused."""
     monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
     capped = AttentionConfig(64, 128, 4, 2, tma=True, maxnreg=168)
     long_tile = AttentionConfig(64, 128, 4, 3, tma=True)

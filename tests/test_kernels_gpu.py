@@ -96,9 +96,9 @@ def test_gpu_fp8_unmasked_long_keys(length):
 ])
 def test_gpu_register_capped_tiles(preset, causal, d):
     """The H100 table's register-capped tiles (D=128: ``maxnreg=168``, two stages; D=64:
-    ``maxnreg=128``, int_flash's 168) at 4K+ keys, with a ragged last key tile and K outliers: the eager call
-    takes the cap, the launch passes it (the compiled kernel stays within it) and the
-    accuracy criterion holds."""
+    ``maxnreg=128``, int_flash's 168) at 4K+ keys, with a ragged last key tile and K
+    outliers: the eager call takes the cap, the launch passes it (the compiled kernels in
+    Triton's cache for that cap stay within it) and the accuracy criterion holds."""
     cap = 168 if d == 128 or preset == "int_flash" else 128
     q, k, v = make_qkv(b=1, hq=4, lq=4100, d=d, outliers=True)
     cfg = _kernels().prepare_attention(q, k, v, preset=preset, is_causal=causal).cfg
