@@ -36,7 +36,7 @@ def launch_takes_register_cap(like: torch.Tensor) -> bool:
     """Whether a launch on tensors like ``like`` can pass a register cap (Triton's
     ``maxnreg``): a plain launch on real CUDA tensors. While torch traces, the launch goes
     into Inductor's generated code, whose configs for a user Triton kernel keep only the
-    warps and stages (torch 2.11–2.13: ``config_to_dict`` and the compile options of
+    warps and stages (``config_to_dict`` and the compile options of torch 2.13's
     ``triton_heuristics``), so a cap would be dropped without a word."""
     return type(like) is torch.Tensor and like.device.type == "cuda"
 
