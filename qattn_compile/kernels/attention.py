@@ -604,34 +604,27 @@ def attention_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
 
     if MASK_MODE == MASK_NONE:
-        # Phase 1: key tiles that need neither bounds nor causal masking; phase 2: the rest.
+        # Two phases (unrolled at compile time): key tiles that need neither bounds nor
+        # causal masking, then the rest (BOUNDED).
         hi = Lkv
         full_hi = (Lkv // BLOCK_N) * BLOCK_N
         if IS_CAUSAL:
             hi = tl.minimum(Lkv, start_m + BLOCK_M)
             full_hi = tl.minimum(full_hi, ((start_m + 1) // BLOCK_N) * BLOCK_N)
-        for start_n in range(0, full_hi, BLOCK_N):
-            acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
-                acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base,
-                v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL,
-                Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm,
-                smn, scsc,
-                QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE, MASK_MODE,
-                False, IS_CAUSAL,
-                HAS_DS, POSITIVE_SCALE,
-                K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
-                HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-        for start_n in range(full_hi, hi, BLOCK_N):
-            acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
-                acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n, k_base,
-                v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, TILE_FULL,
-                Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm,
-                smn, scsc,
-                QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE, MASK_MODE,
-                True, IS_CAUSAL,
-                HAS_DS, POSITIVE_SCALE,
-                K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
-                HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+        for phase in tl.static_range(2):
+            lo = 0 if phase == 0 else full_hi
+            phase_hi = full_hi if phase == 0 else hi
+            for start_n in range(lo, phase_hi, BLOCK_N):
+                acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
+                    acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n,
+                    k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base,
+                    TILE_FULL, Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd,
+                    sksg, svsg, smm, smn, scsc,
+                    QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
+                    MASK_MODE, phase == 1, IS_CAUSAL,
+                    HAS_DS, POSITIVE_SCALE,
+                    K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
+                    HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         # Tensor mask: only the key tiles the summary does not skip, bounds always checked.
         n_live = tl.load(cnt_ptr + b * scnb + hq * scnh + pid_m * scnm)
