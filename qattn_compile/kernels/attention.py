@@ -605,26 +605,50 @@ def attention_kernel(
 
     if MASK_MODE == MASK_NONE:
         # Two phases (unrolled at compile time): key tiles that need neither bounds nor
-        # causal masking, then the rest (BOUNDED).
+        # causal masking, then the rest (BOUNDED). The second is at most one key tile (the
+        # ragged end, or the causal diagonal) unless a causal query tile spans several key
+        # tiles (BLOCK_N not a multiple of BLOCK_M); that one tile runs as straight-line code.
+        # As a loop, ptxas gave the causal kernels 30-60 more registers (D=64: fp8 156
+        # against 126, int_flash 230 against 168, one program per SM fewer; H100, 16K, D=64
+        # causal: fp8 +5 %, int_flash +12 %, sage2_8b +3 % this way; benchmarks/NOTES.md,
+        # session 25). UINT8 P keeps the loop (fmha_int8: 128 registers as a loop, 154
+        # straight; -1.5 %).
         hi = Lkv
         full_hi = (Lkv // BLOCK_N) * BLOCK_N
         if IS_CAUSAL:
             hi = tl.minimum(Lkv, start_m + BLOCK_M)
             full_hi = tl.minimum(full_hi, ((start_m + 1) // BLOCK_N) * BLOCK_N)
+        EDGE_TILE_INLINE: tl.constexpr = (P_FMT != P_UINT8
+                                          and (not IS_CAUSAL or BLOCK_N % BLOCK_M == 0))
         for phase in tl.static_range(2):
             lo = 0 if phase == 0 else full_hi
             phase_hi = full_hi if phase == 0 else hi
-            for start_n in range(lo, phase_hi, BLOCK_N):
-                acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
-                    acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n,
-                    k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base,
-                    TILE_FULL, Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd,
-                    sksg, svsg, smm, smn, scsc,
-                    QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
-                    MASK_MODE, phase == 1, IS_CAUSAL,
-                    HAS_DS, POSITIVE_SCALE,
-                    K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
-                    HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+            if phase == 1 and EDGE_TILE_INLINE:
+                # the same step as the loop's below, without the loop around it
+                if lo < phase_hi:
+                    start_n = lo
+                    acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
+                        acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n,
+                        k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base,
+                        cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl,
+                        skd, svl, svd, sksg, svsg, smm, smn, scsc,
+                        QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
+                        MASK_MODE, phase == 1, IS_CAUSAL,
+                        HAS_DS, POSITIVE_SCALE,
+                        K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
+                        HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+            else:
+                for start_n in range(lo, phase_hi, BLOCK_N):
+                    acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
+                        acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n,
+                        k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base,
+                        cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl,
+                        skd, svl, svd, sksg, svsg, smm, smn, scsc,
+                        QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
+                        MASK_MODE, phase == 1, IS_CAUSAL,
+                        HAS_DS, POSITIVE_SCALE,
+                        K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
+                        HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         # Tensor mask: only the key tiles the summary does not skip, bounds always checked.
         n_live = tl.load(cnt_ptr + b * scnb + hq * scnh + pid_m * scnm)
