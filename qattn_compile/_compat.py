@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 
-def compile_with_inductor(gm, example_inputs, config_patches: dict | None = None):
-    """Hand an FX graph to TorchInductor (``compile_fx``) with per-call config patches."""
-    from torch._inductor.compile_fx import compile_fx
+def compile_with_inductor(gm, example_inputs, config_patches: dict | None = None,
+                          cache_key_tag: str = ""):
+    """Hand an FX graph to TorchInductor (``compile_fx``) with per-call config patches.
 
-    return compile_fx(gm, example_inputs, config_patches=config_patches or {})
+    ``cache_key_tag`` joins ``torch.compiler.config.cache_key_tag`` (the user's own tag, if
+    any, is kept) while this graph compiles, so it enters the keys under which torch's
+    AOTAutograd and FX graph caches store the compiled graph.
+    """
+    from torch._inductor.compile_fx import compile_fx
+    from torch.compiler import config as compiler_config
+
+    tag = "+".join(t for t in (compiler_config.cache_key_tag, cache_key_tag) if t)
+    with compiler_config.patch(cache_key_tag=tag):
+        return compile_fx(gm, example_inputs, config_patches=config_patches or {})
 
 
 def inductor_mode_options(mode: str | None) -> dict:

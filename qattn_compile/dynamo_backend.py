@@ -8,6 +8,8 @@ with ``compiler: eager``.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -117,7 +119,8 @@ class QattnBackend:
         if self.options.compiler == "eager":
             return gm.forward
         return _compat.compile_with_inductor(
-            gm, example_inputs, _compat.inductor_mode_options(self.options.mode)
+            gm, example_inputs, _compat.inductor_mode_options(self.options.mode),
+            cache_key_tag=f"qattn-{package_digest()}",
         )
 
     def _check_unmatched(self, gm) -> None:
@@ -133,6 +136,25 @@ class QattnBackend:
                 " (strict: true is not enforced)" if self.policy.strict else "")
         if not self._graph_break:
             self.policy.check_unmatched(self.matched_rules())
+
+
+@functools.lru_cache(maxsize=1)
+def package_digest() -> str:
+    """The first 16 hex digits of the SHA-256 of every Python source of this package.
+
+    Part of the cache key of every graph the backend hands Inductor. torch's AOTAutograd
+    cache keys a graph by its nodes; a rewritten site is one node naming our op, and the
+    code behind that op (the lowering, the launchers, the Triton kernels it traces into
+    the graph) is not in the key. Without this digest, a graph compiled by one version of
+    qattn would be served from the on-disk cache to another (measured on the H100: a
+    kernel change invisible to an A/B run until each arm had its own cache directory).
+    """
+    digest = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 _backends: dict[tuple[int, str | None], tuple[dict | None, QattnBackend]] = {}

@@ -196,6 +196,34 @@ def test_compiles_without_options_share_a_backend_per_mode():
     assert qattn_compile.last_backend() is plain and len(plain.site_reports) == 2
 
 
+def test_a_cached_graph_is_not_served_to_another_qattn_version(tmp_path, monkeypatch):
+    """torch's on-disk compile caches key a graph by its nodes: a rewritten site is one node
+    naming our op, whatever code serves it. The backend adds the package's source digest to
+    the key, so a compile by other qattn sources misses the cache (and the same sources hit
+    it, which shows the cache is on in this test)."""
+    from torch._dynamo.utils import counters
+
+    from qattn_compile import dynamo_backend
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    q = torch.randn(1, 2, 8, 16)
+    policy = {"qattn": 1, "default": "sage2_8b"}
+
+    def cache_hits_and_misses():
+        _compat.reset_dynamo()
+        counters.clear()
+        be = qattn_compile.backend(policy)
+        torch.compile(Attention(), backend=be)(q)
+        assert [r.status for r in be.site_reports] == [REWRITTEN]
+        return counters["aot_autograd"]["autograd_cache_hit"], \
+            counters["aot_autograd"]["autograd_cache_miss"]
+
+    assert cache_hits_and_misses() == (0, 1)
+    assert cache_hits_and_misses() == (1, 0)
+    monkeypatch.setattr(dynamo_backend, "package_digest", lambda: "another-version")
+    assert cache_hits_and_misses() == (0, 1)
+
+
 @pytest.mark.parametrize("policy", ["", {}])
 def test_an_empty_policy_is_an_error_not_the_default(policy):
     with pytest.raises(qattn_compile.PolicyError):
