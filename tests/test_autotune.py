@@ -352,7 +352,7 @@ def test_register_capped_tiles_only_where_the_launch_takes_the_cap(monkeypatch):
     four_per_sm = AttentionConfig(64, 128, 4, 3, tma=True, maxnreg=128)
     cases += [(preset, 16384, kind, True, v_block, want, 64) for preset, kind, v_block, want in [
         ("fp8", "causal", 128, four_per_sm), ("sage2_8b", "none", 0, four_per_sm),
-        ("sage2_8b", "causal", 0, long_tile), ("fp8", "none", 128, long_tile),
+        ("sage2_8b", "causal", 0, four_per_sm), ("fp8", "none", 128, long_tile),
         ("int_flash", "causal", 0, replace(long_tile, maxnreg=168)),
         ("int_flash", "none", 0, long_tile)]]
     for preset, keys, kind, cap, v_block, want, *dim in cases:

@@ -92,7 +92,7 @@ def test_gpu_fp8_unmasked_long_keys(length):
 @pytest.mark.parametrize("preset,causal,d", [
     ("sage2_8b", False, 128), ("sage2_8b", True, 128), ("fmha_int8", False, 128),
     ("fmha_int8", True, 128), ("fp8", True, 128), ("int_flash", False, 128),
-    ("sage2_8b", False, 64), ("fp8", True, 64), ("int_flash", True, 64),
+    ("sage2_8b", False, 64), ("sage2_8b", True, 64), ("fp8", True, 64), ("int_flash", True, 64),
 ])
 def test_gpu_register_capped_tiles(preset, causal, d):
     """The H100 table's register-capped tiles (D=128: ``maxnreg=168``, two stages; D=64:

@@ -610,9 +610,9 @@ def attention_kernel(
         # tiles (BLOCK_N not a multiple of BLOCK_M); that one tile runs as straight-line code.
         # As a loop, ptxas gave the causal kernels 30-60 more registers (D=64: fp8 156
         # against 126, int_flash 230 against 168, one program per SM fewer; H100, 16K, D=64
-        # causal: fp8 +5 %, int_flash +12 %, sage2_8b +3 % this way; benchmarks/NOTES.md,
-        # session 25). UINT8 P keeps the loop (fmha_int8: 128 registers as a loop, 154
-        # straight; -1.5 %).
+        # causal kernels alone: fp8 +5 %, int_flash +12 %, sage2_8b +2 % this way;
+        # benchmarks/RESULTS.md, session 26). UINT8 P keeps the loop (fmha_int8: 128
+        # registers as a loop, 154 straight; -1.5 %).
         hi = Lkv
         full_hi = (Lkv // BLOCK_N) * BLOCK_N
         if IS_CAUSAL:
