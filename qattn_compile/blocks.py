@@ -14,7 +14,8 @@ A quantization *granularity* names how many consecutive tokens share one scale:
 - ``tensor``: one scale per (batch, head).
 
 ``fp8`` reads its groups from :func:`fp8_group_sizes`: its ``block`` is Q per token with K
-and V per :data:`FP8_BLOCK` tokens.
+and V per :data:`FP8_BLOCK` tokens. ``int_flash`` reads its Q/K groups from
+:func:`int_flash_group_sizes`: Q per token, K per token or per :data:`FP8_BLOCK` tokens.
 
 Kernels load scales by token index (``token // group``), so most tile sizes work with any
 group; the few constraints between the attention tiles and these groups (per-block V
@@ -72,3 +73,14 @@ def fp8_group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int
     if granularity == "block":
         return 1, FP8_BLOCK
     return group_sizes(granularity, q_len, kv_len)
+
+
+def int_flash_group_sizes(k_granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
+    """Tokens per scale for (Q, K) of ``int_flash``: Q per token; K per token (``token``, the
+    paper's) or per :data:`FP8_BLOCK` tokens (``block``: one K scale per 128-key tile, which
+    the kernel folds into the rows' scale instead of multiplying each score by its key's;
+    Triton 3.6 for sm_90 then allocates D=64 tiles 125 registers instead of 168 without a
+    mask, 151 causal; benchmarks/NOTES.md, session 26)."""
+    if k_granularity == "block":
+        return 1, FP8_BLOCK
+    return group_sizes(k_granularity, q_len, kv_len)

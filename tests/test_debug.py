@@ -260,6 +260,9 @@ def test_kernel_variant():
     assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8/row v=int8/tensor smooth=off"
     report.options = {"v_granularity": "tensor", "smooth_k": True, "p_scale": "tile"}
     assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8/tile v=int8/tensor smooth=k"
+    report.options = {**report.options, "k_granularity": "block"}
+    assert kernel_variant(report) == (
+        "triton int_flash q=int8/token k=int8/block p=int8/tile v=int8/tensor smooth=k")
     report.preset, report.options = "sage2_4b", {"qk_granularity": "block", "smooth_k": True, "smooth_q": False}
     assert kernel_variant(report) == "triton sage2_4b qk=int4/block p=fp8 v=fp8/channel smooth=k"
     report.options = {**report.options, "pv": "fp16"}

@@ -556,6 +556,7 @@ def test_presets_additive_mask_and_causal(preset):
         ("int_flash", {"v_granularity": "block"}),
         ("int_flash", {"smooth_k": False}),
         ("int_flash", {"p_scale": "row", "v_granularity": "block"}),
+        ("int_flash", {"k_granularity": "block"}),
         ("fmha_int8", {"quantize_output": True}),
         ("fmha_int8", {"p_scale": "row"}),
         ("sage2_8b", {"qk_granularity": "token", "smooth_v": True}),

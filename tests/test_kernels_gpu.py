@@ -144,6 +144,7 @@ def test_gpu_bf16(preset):
         ("int_flash", {"v_granularity": "block"}),
         ("int_flash", {"smooth_k": False}),
         ("int_flash", {"p_scale": "row"}),
+        ("int_flash", {"k_granularity": "block"}),
         ("fmha_int8", {"quantize_output": True}),
         ("fmha_int8", {"p_scale": "row"}),
         ("sage2_8b", {"qk_granularity": "token", "smooth_v": True}),

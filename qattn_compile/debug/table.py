@@ -16,6 +16,14 @@ def _sage_formats(options: dict, bits: str) -> str:
     return f"qk={bits}/{options.get('qk_granularity')} {pv} smooth={smooth}"
 
 
+def _int_flash_formats(options: dict) -> str:
+    k_group = options.get("k_granularity", "token")
+    qk = "qk=int8/token" if k_group == "token" else f"q=int8/token k=int8/{k_group}"
+    smooth = "k" if options.get("smooth_k") else "off"
+    return (f"{qk} p=int8/{options.get('p_scale')} v=int8/{options.get('v_granularity')}"
+            f" smooth={smooth}")
+
+
 def _fmha_formats(options: dict) -> str:
     out = " o=int8" if options.get("quantize_output") else ""
     return f"qkv=int8/tensor ({options.get('scales')}) p=uint8/{options.get('p_scale')}{out}"
@@ -29,9 +37,7 @@ def _turbo_formats(options: dict) -> str:
 
 QUANT_FORMATS = {
     "flash": lambda o: "exact (input dtype, fp32 accumulation)",
-    "int_flash": lambda o: (f"qk=int8/token p=int8/{o.get('p_scale')}"
-                            f" v=int8/{o.get('v_granularity')}"
-                            f" smooth={'k' if o.get('smooth_k') else 'off'}"),
+    "int_flash": _int_flash_formats,
     "fmha_int8": _fmha_formats,
     "sage2_8b": lambda o: _sage_formats(o, "int8"),
     "sage2_4b": lambda o: _sage_formats(o, "int4"),

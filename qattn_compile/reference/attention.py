@@ -59,7 +59,8 @@ from typing import Mapping, NamedTuple
 import torch
 from torch import Tensor
 
-from ..blocks import P_KEY_TILE, SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes
+from ..blocks import (P_KEY_TILE, SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes,
+                      int_flash_group_sizes)
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from . import quant, smooth
 from .sas import sas_exp
@@ -240,7 +241,7 @@ def _static_amax(static_scales: Mapping | None, key: str) -> Tensor | float | No
 def _qk_plan(preset: str, opts: PresetOptions, lq: int, lkv: int) -> tuple[str, int, int]:
     """(value format, Q group, K group) of a quantized preset's Q/K."""
     if preset == "int_flash":
-        return ("int8", *group_sizes("token", lq, lkv))
+        return ("int8", *int_flash_group_sizes(opts.k_granularity, lq, lkv))
     if preset == "fmha_int8":
         return ("int8", *group_sizes("tensor", lq, lkv))
     if preset in _SAGE2:
