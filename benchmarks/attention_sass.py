@@ -16,11 +16,12 @@ options (:func:`operands`; int_flash, fmha_int8, sage2_8b, fp8, flash, and ``sag
 sage2_8b with ``pv: fp16``), B=1, H=2, N=1024. They go through
 :func:`qattn_compile.kernels.launch._launch`, whose kernel call is intercepted and compiled as
 :mod:`decode_sass` does (same caveats: Triton internals; install the GPU's Triton 3.6 for its
-register counts). Counts are per loop iteration, i.e. per key tile, per warp. The backward branches of the TMA barriers' retry loops make
-some listed ranges span several loops: the main loop is a short range with one set of score
-MMAs and one of P·V MMAs (GMMA 8 at 64×128, D=128). What it is good for: seeing what a
-kernel change does to the instructions of the loop (NOTES, session 9: two adds per score
-folded into one) before spending device time on it.
+register counts). Counts are per loop iteration, i.e. per key tile, per warp. The backward
+branches of the TMA barriers' retry loops make some listed ranges span several loops: the
+main loop is a short range with one set of score MMAs and one of P·V MMAs (GMMA 8 at 64×128,
+D=128). What it is good for: seeing what a kernel change does to the instructions of the
+loop (NOTES, session 9: two adds per score folded into one) before spending device time on
+it.
 """
 
 from __future__ import annotations

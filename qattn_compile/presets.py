@@ -17,7 +17,8 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     the same constant ``q_i·k̄``, to which softmax is invariant; it keeps K's channel
     outliers (a per-channel offset) from inflating the per-token INT8 scale.
     ``smooth_k: false`` is the paper's math exactly. Q, K: symmetric INT8 per token (scale
-    = amax/127; K per block of 128 tokens with ``k_granularity: block``). Scores ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m,
+    = amax/127; K per block of 128 tokens with ``k_granularity: block``). Scores
+    ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m,
     ``P̂ = round(127·exp(S − m))`` in [0, 127] and ``l = Σ P̂`` (summed from the quantized
     P). V: symmetric INT8 per tensor (paper) or per block of V tokens
     (``v_granularity: block``). ``O = (P̂·V̂)·s_v / l``. P's range, ``p_scale``:

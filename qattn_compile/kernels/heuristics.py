@@ -181,7 +181,7 @@ _UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
 # 190-248 registers for them; at 168 it spills nothing in sage2_8b's kernel without a mask
 # and fp8's causal one, 9 instructions in fmha_int8's, 34 in int_flash's, 45 in sage2_8b's
 # causal one). At D=64, 128 registers let four programs share an SM instead of three (no
-# spills), and int_flash's causal tile (230 registers) fits three at 168. Kernel alone, H100,
+# spills in the loop), and int_flash's causal tile (230 registers) fits three at 168. Kernel alone, H100,
 # TOPS uncapped (the table's tile) → capped, 16K / 4K (benchmarks/RESULTS.md, session 25):
 # D=128 sage2_8b 727 → 776 / 686 → 755, causal 694 → 708 / 587 → 635; fmha_int8 617 → 717 /
 # 569 → 664, causal 600 → 679 / 501 → 578; fp8 causal 783 → 814 / 670 → 739; int_flash 701 →
