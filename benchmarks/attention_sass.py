@@ -4,16 +4,17 @@ memory, and instructions per key tile by class. No GPU needed.
 Run on the CPU machine from the repository root (about 3 s per variant)::
 
     .venv/bin/python benchmarks/attention_sass.py [--presets int_flash sage2_8b fp8] \\
-        [--dim 128] [--causal] [--traced] [--dump DIR] \\
+        [--dim 128] [--causal] [--traced] [--options '{"k_granularity": "block"}'] [--dump DIR] \\
         [NAME='{"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "tma": true}' ...]
 
 Each ``NAME=JSON`` is an :class:`~qattn_compile.kernels.heuristics.AttentionConfig` (none: the
 H100 table's entry for the preset, read from the table's internals: the entry for an eager
 call without a mask, with ``--causal`` for a causal one, with ``--traced`` for a call under
 torch.compile, which takes no register cap; a ``maxnreg`` field caps the registers). The
-operands are random tensors with the dtypes, layouts and scale groups of the preset's default
-options (:func:`operands`; int_flash, fmha_int8, sage2_8b, fp8, flash, and ``sage2_8b_pv16``:
-sage2_8b with ``pv: fp16``), B=1, H=2, N=1024. They go through
+operands are random tensors with the dtypes, layouts and scale groups of the preset's options
+(``--options`` as JSON, applied to every preset; none: the defaults; :func:`operands` covers
+int_flash, fmha_int8, sage2_8b, fp8, flash, and ``sage2_8b_pv16``: sage2_8b with ``pv:
+fp16``), B=1, H=2, N=1024. They go through
 :func:`qattn_compile.kernels.launch._launch`, whose kernel call is intercepted and compiled as
 :mod:`decode_sass` does (same caveats: Triton internals; install the GPU's Triton 3.6 for its
 register counts). Counts are per loop iteration, i.e. per key tile, per warp. The backward
@@ -33,7 +34,7 @@ from pathlib import Path
 import decode_sass  # noqa: E402  (pops TRITON_INTERPRET before triton is imported)
 import torch
 
-from qattn_compile.blocks import SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes
+from qattn_compile.blocks import SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes, int_flash_group_sizes
 from qattn_compile.kernels import attention as ak
 from qattn_compile.kernels import launch
 from qattn_compile.kernels.heuristics import AttentionConfig, _table_config
@@ -57,15 +58,16 @@ def _scale(group: int) -> torch.Tensor:
     return torch.rand(BATCH, HEADS, -(-LENGTH // group)) + 0.5
 
 
-def operands(preset: str, dim: int) -> launch.Operands:
-    """Random kernel-format operands of ``preset`` with its default options at head dim ``dim``
-    (what :mod:`qattn_compile.kernels.launch`'s ``_prepare_*`` would hand the kernel)."""
-    opts = resolve_options(_base_preset(preset), None)
+def operands(preset: str, dim: int, options: dict | None = None) -> launch.Operands:
+    """Random kernel-format operands of ``preset`` with ``options`` (none: the defaults) at head
+    dim ``dim`` (what :mod:`qattn_compile.kernels.launch`'s ``_prepare_*`` would hand the
+    kernel)."""
+    opts = resolve_options(_base_preset(preset), options)
     shape = (BATCH, HEADS, LENGTH, dim)
     int8 = torch.randint(-127, 128, shape, dtype=torch.int8)
     v_t = torch.zeros(BATCH, HEADS, dim, LENGTH)  # K-major 8-bit V, [B, H, Dv, L_pad]
     if preset == "int_flash":
-        gq, gk = group_sizes("token", LENGTH, LENGTH)
+        gq, gk = int_flash_group_sizes(opts.k_granularity, LENGTH, LENGTH)
         _, gv = group_sizes(opts.v_granularity, LENGTH, LENGTH)
         ops = launch.Operands(int8, int8.clone(), v_t.to(torch.int8),
                               launch._switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8,
@@ -108,13 +110,14 @@ def operands(preset: str, dim: int) -> launch.Operands:
     return ops
 
 
-def compile_for_sm90(preset: str, dim: int, causal: bool, cfg: AttentionConfig):
-    """The attention kernel as :func:`launch._launch` would run it for ``preset``, compiled
-    for sm_90 (a ``CompiledKernel``)."""
+def compile_for_sm90(preset: str, dim: int, causal: bool, cfg: AttentionConfig,
+                     options: dict | None = None):
+    """The attention kernel as :func:`launch._launch` would run it for ``preset`` with
+    ``options``, compiled for sm_90 (a ``CompiledKernel``)."""
     out = torch.empty(BATCH, HEADS, LENGTH, dim, dtype=torch.bfloat16)
     args, kwargs = decode_sass.capture_launch(
         launch,
-        lambda: launch._launch(operands(preset, dim), out, (BATCH, HEADS, HEADS, LENGTH, LENGTH, dim),
+        lambda: launch._launch(operands(preset, dim, options), out, (BATCH, HEADS, HEADS, LENGTH, LENGTH, dim),
                                None, causal, 0.1, cfg, "ieee"),
         launcher=lambda kernel, like: decode_sass.INTERCEPT, interpreted=lambda device: False,
         ensure_tma_allocator=lambda: None)
@@ -130,6 +133,8 @@ def main() -> None:
     parser.add_argument("--dump", type=Path, help="write TTGIR/PTX/SASS of each variant here")
     parser.add_argument("--traced", action="store_true",
                         help="the table's entry for a traced call (no register cap)")
+    parser.add_argument("--options", type=json.loads, default=None,
+                        help="preset options as JSON, for every preset")
     args = parser.parse_args()
     for preset in args.presets:
         table = _table_config(_base_preset(preset), args.dim, "sm90", torch.bfloat16,
@@ -139,7 +144,7 @@ def main() -> None:
         variants = [v.partition("=") for v in args.variants] or [("table", "=", "")]
         for name, _, fields in variants:
             cfg = AttentionConfig(**json.loads(fields)) if fields else table
-            kernel = compile_for_sm90(preset, args.dim, args.causal, cfg)
+            kernel = compile_for_sm90(preset, args.dim, args.causal, cfg, args.options)
             title = f"{name} {preset} D={args.dim}{' causal' if args.causal else ''} {cfg}"
             print("\n".join(decode_sass.summary(kernel, title, args.dump, f"{name}.{preset}")))
 
