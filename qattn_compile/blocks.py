@@ -76,11 +76,12 @@ def fp8_group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int
 
 
 def int_flash_group_sizes(k_granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
-    """Tokens per scale for (Q, K) of ``int_flash``: Q per token; K per token (``token``, the
-    paper's) or per :data:`FP8_BLOCK` tokens (``block``: one K scale per 128-key tile, which
-    the kernel folds into the rows' scale instead of multiplying each score by its key's;
-    Triton 3.6 for sm_90 then allocates D=64 tiles 125 registers instead of 168 without a
-    mask, 151 causal; benchmarks/NOTES.md, session 26)."""
+    """Tokens per scale for (Q, K) of ``int_flash``: Q per token; K per :data:`FP8_BLOCK`
+    tokens (``block``, the default: one K scale per 128-key tile, which the kernel folds into
+    the rows' scale instead of multiplying each score by its key's; Triton 3.6 for sm_90 then
+    allocates D=64 tiles 125 registers instead of 168 without a mask, 151 causal; H100, 16K
+    eager calls: +7–17 % at D=128, +2–7 % at D=64; benchmarks/RESULTS.md, session 27) or per
+    token (``token``, the paper's)."""
     if k_granularity == "block":
         return 1, FP8_BLOCK
     return group_sizes(k_granularity, q_len, kv_len)

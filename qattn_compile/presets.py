@@ -15,9 +15,10 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     ``K ← K − mean_tokens(K)`` per channel, per (batch, kv head), over all ``Lkv`` tokens.
     This is exact math, not an approximation: it shifts every score of query row ``i`` by
     the same constant ``q_i·k̄``, to which softmax is invariant; it keeps K's channel
-    outliers (a per-channel offset) from inflating the per-token INT8 scale.
-    ``smooth_k: false`` is the paper's math exactly. Q, K: symmetric INT8 per token (scale
-    = amax/127; K per block of 128 tokens with ``k_granularity: block``). Scores
+    outliers (a per-channel offset) from inflating K's INT8 scales.
+    ``smooth_k: false, k_granularity: token, p_scale: row`` is the paper's math exactly. Q:
+    symmetric INT8 per token (scale = amax/127); K likewise per block of 128 tokens (default;
+    per token, the paper's, with ``k_granularity: token``). Scores
     ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m,
     ``P̂ = round(127·exp(S − m))`` in [0, 127] and ``l = Σ P̂`` (summed from the quantized
     P). V: symmetric INT8 per tensor (paper) or per block of V tokens
@@ -149,8 +150,8 @@ class IntFlashOptions(KernelOptions):
         "tensor", description="INT8 V scale per tensor (paper) or per block of V tokens."
     )
     k_granularity: Literal["token", "block"] = Field(
-        "token", description="INT8 K scale per token (paper) or per block of 128 tokens (one "
-        "scale per key tile: no per-score multiply, fewer registers in the kernel)."
+        "block", description="INT8 K scale per block of 128 tokens (one scale per key tile: no "
+        "per-score multiply, fewer registers in the kernel) or per token (paper)."
     )
     smooth_k: StrictBool = Field(
         True, description="Subtract K's per-channel token mean (exact; false: the paper's math)."

@@ -346,7 +346,8 @@ def test_register_capped_tiles_only_where_the_launch_takes_the_cap(monkeypatch):
         ("fp8", 16384, "causal", True, 64, AttentionConfig(64, 64, 4, 3, tma=True)),
         ("fp8", 16384, "none", True, 128, AttentionConfig(64, 128, 4, 2, tma=True)),
         ("int_flash", 16384, "none", True, 0, capped),
-        ("int_flash", 16384, "causal", True, 0, long_tile),
+        ("int_flash", 16384, "causal", True, 0, capped),
+        ("int_flash", 16384, "causal", False, 0, long_tile),
         ("turbo", 16384, "none", True, 64, AttentionConfig(64, 64, 4, 3, tma=True)),
     ]
     four_per_sm = AttentionConfig(64, 128, 4, 3, tma=True, maxnreg=128)

@@ -213,7 +213,8 @@ def test_explain_table_has_one_row_per_site(typo_diff):
             assert cell in cells or f" {cell} " in row
         assert format_shapes(report.shapes) in row
     assert "*self_attn" in rows[0]
-    assert rows[0].endswith("int_flash  reference (CPU) int_flash qk=int8/token p=int8/tile v=int8/tensor smooth=k")
+    assert rows[0].endswith(
+        "int_flash  reference (CPU) int_flash q=int8/token k=int8/block p=int8/tile v=int8/tensor smooth=k")
     assert re.search(r"\snone\s+left alone: ", rows[1])
     assert "1 of 2 attention site(s) rewritten, 1 left alone, 0 fell back" in explanation.format()
     assert explanation.unmatched_rules() == [TYPO_LINE]
@@ -254,14 +255,12 @@ def test_kernel_variant():
     report = SiteReport(
         fqn="l.0.attn", module_class="A", pattern="sdpa", source=None, shapes={}, dtype="float16",
         mask_kind="none", gqa_group=1, preset="int_flash",
-        options={"v_granularity": "tensor", "p_scale": "row"},
+        options={"v_granularity": "tensor", "p_scale": "row", "k_granularity": "token"},
         rule="default", rule_index=None, status=REWRITTEN, reason="", execution="triton",
     )
     assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8/row v=int8/tensor smooth=off"
     report.options = {"v_granularity": "tensor", "smooth_k": True, "p_scale": "tile"}
-    assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8/tile v=int8/tensor smooth=k"
-    report.options = {**report.options, "k_granularity": "block"}
-    assert kernel_variant(report) == (
+    assert kernel_variant(report) == (  # K's granularity left out: the default
         "triton int_flash q=int8/token k=int8/block p=int8/tile v=int8/tensor smooth=k")
     report.preset, report.options = "sage2_4b", {"qk_granularity": "block", "smooth_k": True, "smooth_q": False}
     assert kernel_variant(report) == "triton sage2_4b qk=int4/block p=fp8 v=fp8/channel smooth=k"

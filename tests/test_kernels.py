@@ -28,7 +28,8 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from qattn_compile.blocks import QUANT_BLOCK_KV, SMOOTH_Q_BLOCK, group_sizes  # noqa: E402
+from qattn_compile.blocks import (  # noqa: E402
+    QUANT_BLOCK_KV, SMOOTH_Q_BLOCK, group_sizes, int_flash_group_sizes)
 from qattn_compile.kernels import kernel_attention, prepare_attention, supports  # noqa: E402
 from qattn_compile.kernels import attention as attn  # noqa: E402
 from qattn_compile.kernels import primitives as prim  # noqa: E402
@@ -421,7 +422,8 @@ def _scores_probe(q_ptr, k_ptr, out_ptr, Lq, Lkv, sql, skl, QK_FMT: tl.constexpr
 @pytest.mark.parametrize(
     "preset,options",
     [
-        ("int_flash", {"smooth_k": False}),
+        ("int_flash", {"smooth_k": False, "k_granularity": "block"}),
+        ("int_flash", {"smooth_k": False, "k_granularity": "token"}),
         ("fmha_int8", None),
         ("turbo", None),
         ("sage2_8b", {"smooth_q": False, "smooth_k": False}),
@@ -433,9 +435,12 @@ def test_integer_scores_bit_exact(preset, options):
     q, k, _ = make_qkv(b=1, hq=1, lq=lq, lkv=lkv, d=d, k_outliers=True)
     ref = quantized_scores(q, k, preset, options).dot[0, 0]
     num_bits = 4 if preset == "sage2_4b" else 8
-    granularity = {"int_flash": "token", "fmha_int8": "tensor", "turbo": "block"}.get(
-        preset, (options or {}).get("qk_granularity", "warp"))
-    gq, gk = group_sizes(granularity, lq, lkv)
+    if preset == "int_flash":
+        gq, gk = int_flash_group_sizes(options["k_granularity"], lq, lkv)
+    else:
+        granularity = {"fmha_int8": "tensor", "turbo": "block"}.get(
+            preset, (options or {}).get("qk_granularity", "warp"))
+        gq, gk = group_sizes(granularity, lq, lkv)
     qq = kq.quantize_int(q, gq, num_bits)
     kk = kq.quantize_int(k, gk, num_bits)
     qd, kd = qq.data.view(torch.int8), kk.data.view(torch.int8)
@@ -556,7 +561,7 @@ def test_presets_additive_mask_and_causal(preset):
         ("int_flash", {"v_granularity": "block"}),
         ("int_flash", {"smooth_k": False}),
         ("int_flash", {"p_scale": "row", "v_granularity": "block"}),
-        ("int_flash", {"k_granularity": "block"}),
+        ("int_flash", {"k_granularity": "token"}),
         ("fmha_int8", {"quantize_output": True}),
         ("fmha_int8", {"p_scale": "row"}),
         ("sage2_8b", {"qk_granularity": "token", "smooth_v": True}),

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qattn_compile.blocks import QUANT_BLOCK_KV, group_sizes
+from qattn_compile.blocks import QUANT_BLOCK_KV, group_sizes, int_flash_group_sizes
 from qattn_compile.reference import exact_attention, quantized_scores, reference_attention
 from qattn_compile.reference import quant as rq
 from qattn_compile.reference import smooth as rsmooth
@@ -91,7 +91,7 @@ def test_gpu_fp8_unmasked_long_keys(length):
 
 @pytest.mark.parametrize("preset,causal,d", [
     ("sage2_8b", False, 128), ("sage2_8b", True, 128), ("fmha_int8", False, 128),
-    ("fmha_int8", True, 128), ("fp8", True, 128), ("int_flash", False, 128),
+    ("fmha_int8", True, 128), ("fp8", True, 128), ("int_flash", False, 128), ("int_flash", True, 128),
     ("sage2_8b", False, 64), ("sage2_8b", True, 64), ("fp8", True, 64), ("int_flash", True, 64),
 ])
 def test_gpu_register_capped_tiles(preset, causal, d):
@@ -144,7 +144,7 @@ def test_gpu_bf16(preset):
         ("int_flash", {"v_granularity": "block"}),
         ("int_flash", {"smooth_k": False}),
         ("int_flash", {"p_scale": "row"}),
-        ("int_flash", {"k_granularity": "block"}),
+        ("int_flash", {"k_granularity": "token"}),
         ("fmha_int8", {"quantize_output": True}),
         ("fmha_int8", {"p_scale": "row"}),
         ("sage2_8b", {"qk_granularity": "token", "smooth_v": True}),
@@ -183,18 +183,21 @@ inputs (False) and with K channel outliers (True)."""
 INT_FA_REPORTED_OUTLIERS = INT_FA_REPORTED[True]
 
 
+@pytest.mark.parametrize("k_granularity", ["token", "block"])
 @pytest.mark.parametrize("outliers", [False, True])
-def test_gpu_int_flash_beats_int_flashattention(outliers):
-    """The default ``int_flash`` (P's range per key tile, K smoothed) beats
-    INT-FlashAttention's reported rel-L1 at N=2048, D=128, and the tile range beats the
-    paper's row range on the same inputs."""
+def test_gpu_int_flash_beats_int_flashattention(outliers, k_granularity):
+    """``int_flash`` (P's range per key tile, K smoothed; K per token, the default, or per
+    128 tokens) beats INT-FlashAttention's reported rel-L1 at N=2048, D=128, and the tile
+    range beats the paper's row range on the same inputs."""
     q, k, v = make_qkv(b=1, hq=8, lq=2048, d=128, dtype=torch.bfloat16, outliers=outliers)
     exact = exact_attention(q, k, v)
-    tile = metrics(check(q, k, v, "int_flash", label=f"tile outliers={outliers}"), exact)[1]
-    row = metrics(check(q, k, v, "int_flash", {"p_scale": "row"},
+    opts = {"k_granularity": k_granularity}
+    tile = metrics(check(q, k, v, "int_flash", opts, label=f"tile outliers={outliers}"),
+                   exact)[1]
+    row = metrics(check(q, k, v, "int_flash", {**opts, "p_scale": "row"},
                         label=f"row outliers={outliers}"), exact)[1]
-    print(f"int_flash l1 tile={tile:.5f} row={row:.5f} | INT-FA reported "
-          f"{INT_FA_REPORTED[outliers]}")
+    print(f"int_flash K per {k_granularity}: l1 tile={tile:.5f} row={row:.5f} | INT-FA "
+          f"reported {INT_FA_REPORTED[outliers]}")
     assert tile < row
     assert tile < INT_FA_REPORTED[outliers]
 
@@ -302,10 +305,12 @@ def test_gpu_integer_scores_bit_exact(preset, bits):
     q, k, _ = make_qkv(b=1, hq=1, lq=lq, lkv=lkv, d=d, outliers=True)
     options = {"smooth_q": False, "smooth_k": False} if preset == "sage2_4b" else None
     if preset == "int_flash":
-        options = {"smooth_k": False}  # the probe quantizes K as is
+        options = {"smooth_k": False, "k_granularity": "block"}  # the probe quantizes K as is
     ref = quantized_scores(q.cpu(), k.cpu(), preset, options).dot[0, 0]
-    gran = {"int_flash": "token", "turbo": "block", "sage2_4b": "warp"}[preset]
-    gq, gk = group_sizes(gran, lq, lkv)
+    if preset == "int_flash":
+        gq, gk = int_flash_group_sizes("block", lq, lkv)
+    else:
+        gq, gk = group_sizes({"turbo": "block", "sage2_4b": "warp"}[preset], lq, lkv)
     qd = kern.quantize.quantize_int(q, gq, bits).data.view(torch.int8)
     kd = kern.quantize.quantize_int(k, gk, bits).data.view(torch.int8)
     out = torch.empty(lq, lkv, device=DEV, dtype=torch.float32)

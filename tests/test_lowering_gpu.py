@@ -112,8 +112,8 @@ class RotaryAttention(nn.Module):
 
 
 @pytest.mark.parametrize("preset,options", [
-    ("int_flash", {}), ("sage2_8b", {}), ("turbo", {}), ("fp8", {}),
-    ("fp8", {"granularity": "q_token"}),
+    ("int_flash", {}), ("int_flash", {"k_granularity": "token"}), ("sage2_8b", {}), ("turbo", {}),
+    ("fp8", {}), ("fp8", {"granularity": "q_token"}),
 ])
 def test_quantizers_fuse_with_rope(preset, options):
     """Under torch.compile the Q/K quantizers (smoothing means, INT8 quantization, FP8 per

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qattn_compile.blocks import QUANT_BLOCK_KV, QUANT_BLOCK_Q, QUANT_WARP_Q, SMOOTH_Q_BLOCK
+from qattn_compile.blocks import (
+    QUANT_BLOCK_KV, QUANT_BLOCK_Q, QUANT_WARP_Q, SMOOTH_Q_BLOCK, int_flash_group_sizes)
 from qattn_compile.errors import PolicyError
 from qattn_compile.presets import QUANTIZED_PRESETS, Sage2Options, resolve_options
 from qattn_compile.reference import (
@@ -205,7 +206,7 @@ NORMAL_BOUNDS = {
     ("int_flash", None): (0.01, 0.04),  # 2.1 %
     ("int_flash", (("v_granularity", "block"),)): (0.01, 0.04),  # 2.0 %
     ("int_flash", (("smooth_k", False),)): (0.01, 0.04),  # 2.1 % (the paper's math)
-    ("int_flash", (("k_granularity", "block"),)): (0.01, 0.04),  # ~8 % above per-token K's
+    ("int_flash", (("k_granularity", "token"),)): (0.01, 0.04),  # ~8 % below per-block K's
     ("fmha_int8", None): (0.01, 0.04),  # 1.9 %
     ("fmha_int8", (("quantize_output", True),)): (0.01, 0.045),  # 2.3 %
     ("sage2_8b", None): (0.02, 0.06),  # 3.8 %
@@ -452,16 +453,20 @@ def test_int_flash_scores_close_to_exact():
     assert (s - exact).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("k_granularity", ["block", "token"])
 @pytest.mark.parametrize("smooth_k", [True, False])
-def test_int_flash_smooth_k_scores_math(smooth_k):
-    """Q̂·K̂ᵀ of per-token INT8 Q and of K (paper) or K − k̄ (``smooth_k``), and against fp64:
-    the smoothed scores are the exact ones shifted by the row constant q_i·k̄·τ."""
+def test_int_flash_smooth_k_scores_math(smooth_k, k_granularity):
+    """Q̂·K̂ᵀ of per-token INT8 Q and of K (paper) or K − k̄ (``smooth_k``), K per 128 tokens
+    or per token, and against fp64: the smoothed scores are the exact ones shifted by the
+    row constant q_i·k̄·τ."""
     q, k, _ = qkv(hq=4, hkv=2, lq=50, lkv=70, d=64)
     k = _with_k_outliers(k)
-    parts = quantized_scores(q, k, "int_flash", {"smooth_k": smooth_k})
+    parts = quantized_scores(q, k, "int_flash", {"smooth_k": smooth_k,
+                                                 "k_granularity": k_granularity})
     k_used, k_mean = smooth.smooth_k(k) if smooth_k else (k, torch.zeros_like(k[..., :1, :]))
-    q_int, _ = quant.quantize_int(q, 1, 8)
-    k_int, _ = quant.quantize_int(k_used, 1, 8)
+    q_group, k_group = int_flash_group_sizes(k_granularity, 50, 70)
+    q_int, _ = quant.quantize_int(q, q_group, 8)
+    k_int, _ = quant.quantize_int(k_used, k_group, 8)
     want = q_int.double() @ k_int.double().repeat_interleave(2, 1).transpose(-1, -2)
     assert torch.equal(parts.dot, want)
     k_rep, mean_rep = k.double().repeat_interleave(2, 1), k_mean.double().repeat_interleave(2, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..presets import IntFlashOptions
 from ..report import REWRITTEN, SiteReport, format_grid
 
 COLUMNS = ("site (module FQN)", "class", "pattern", "shapes q / k / v", "mask", "GQA", "rule", "preset",
@@ -17,7 +18,7 @@ def _sage_formats(options: dict, bits: str) -> str:
 
 
 def _int_flash_formats(options: dict) -> str:
-    k_group = options.get("k_granularity", "token")
+    k_group = options.get("k_granularity", IntFlashOptions.model_fields["k_granularity"].default)
     qk = "qk=int8/token" if k_group == "token" else f"q=int8/token k=int8/{k_group}"
     smooth = "k" if options.get("smooth_k") else "off"
     return (f"{qk} p=int8/{options.get('p_scale')} v=int8/{options.get('v_granularity')}"
