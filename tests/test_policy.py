@@ -549,7 +549,9 @@ def test_example_policy_shows_every_feature():
     assert any(r.module_class and not r.match for r in p.rules)
     assert any(r.module_class and r.match for r in p.rules)
     assert any(r.preset == "none" for r in p.rules)
-    assert p.decide("model.layers.0.self_attn").preset == "int_flash"
+    first = p.decide("model.layers.0.self_attn")
+    assert first.preset == "int_flash"
+    assert (first.options.v_granularity, first.options.k_granularity) == ("block", "token")
     assert p.decide("model.layers.3.self_attn").preset == "sage2_8b"
     assert p.decide("model.layers.15.self_attn").preset == "none"
     assert p.decide("model.vision_tower.blocks.0.attn").rule_text == "ignore '*vision_tower*'"
