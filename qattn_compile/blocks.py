@@ -81,7 +81,6 @@ def int_flash_group_sizes(k_granularity: str, q_len: int, kv_len: int) -> tuple[
     the rows' scale instead of multiplying each score by its key's; Triton 3.6 for sm_90 then
     allocates D=64 tiles 125 registers instead of 168 without a mask, 151 causal; H100, 16K
     eager calls: +7–17 % at D=128, +2–7 % at D=64; benchmarks/RESULTS.md, session 27) or per
-    token (``token``, the paper's)."""
-    if k_granularity == "block":
-        return 1, FP8_BLOCK
-    return group_sizes(k_granularity, q_len, kv_len)
+    token (``token``, the paper's). The same groups as :func:`fp8_group_sizes` gives fp8's
+    Q and K."""
+    return fp8_group_sizes(k_granularity, q_len, kv_len)
