@@ -216,19 +216,25 @@ def _plot(results: dict, path: str) -> None:
         return
     rows = [r for r in results["rows"] if "tops" in r]
     panels = sorted({(r["d"], r["causal"]) for r in rows})
+    names = sorted({r["name"] for r in rows})
+    # one colour per contender in every panel (tab20: eleven contenders overflow tab10);
+    # the peers dashed, qattn's presets solid
+    colours = plt.get_cmap("tab20")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):
-        for name in sorted({r["name"] for r in rows}):
+        for i, name in enumerate(names):
             pts = sorted((r["n"], r["tops"]) for r in rows if r["name"] == name and r["d"] == d and r["causal"] == causal)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                        color=colours(i % colours.N),
+                        linestyle="-" if name.startswith("qattn_") else "--")
         ax.set_xscale("log", base=2)
         ax.set_title(f"D={d} causal={causal} ({results['timing']})")
         ax.set_xlabel("N")
         ax.set_ylabel("TOPS")
-    axes[0][0].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
 
 
 if __name__ == "__main__":
