@@ -8,6 +8,8 @@ same leading (batch) dims — and returns ``[..., Hq, Lq, Dv]``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -96,8 +98,9 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, ena
 
 
 def _to_4d(t: Tensor) -> Tensor:
-    """``[..., H, L, E]`` -> ``[B, H, L, E]`` with all leading dims folded into B."""
-    return t.reshape(-1, *t.shape[-3:])
+    """``[..., H, L, E]`` -> ``[B, H, L, E]`` with all leading dims folded into B (sized
+    explicitly: an empty tensor cannot infer a ``-1``)."""
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 def _mask_to_4d(mask: Tensor, q: Tensor, kv_len: int) -> Tensor:
@@ -109,7 +112,8 @@ def _mask_to_4d(mask: Tensor, q: Tensor, kv_len: int) -> Tensor:
     lead = full.shape[:-3]
     if all(s == 1 for s in lead):
         return full.reshape(1, *full.shape[-3:])
-    return full.expand(*target[:-3], *full.shape[-3:]).reshape(-1, *full.shape[-3:])
+    return full.expand(*target[:-3], *full.shape[-3:]).reshape(math.prod(target[:-3]),
+                                                                *full.shape[-3:])
 
 
 def attention(
@@ -139,15 +143,21 @@ def attention(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
         )
-    reason = ops.unsupported_reason(q.shape, k.shape, v.shape, q.dtype, q.device, preset, resolved)
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    if math.prod(out_shape) == 0:  # an empty output, as SDPA's: nothing to compute
+        return q.new_zeros(out_shape)
+    # the op (and its support check) take 4-D [B, H, L, D]: leading dims folded into B
+    q4, k4, v4 = _to_4d(q), _to_4d(k), _to_4d(v)
+    reason = ops.unsupported_reason(q4.shape, k4.shape, v4.shape, q.dtype, q.device, preset,
+                                    resolved)
     if reason:
         raise ValueError(f"preset {preset!r} cannot serve these inputs: {reason}")
     lead = q.shape[:-3]
     mask4 = None if attn_mask is None else _mask_to_4d(attn_mask, q, k.shape[-2])
     out = ops.attention(
-        _to_4d(q),
-        _to_4d(k),
-        _to_4d(v),
+        q4,
+        k4,
+        v4,
         mask4,
         bool(is_causal),
         None if scale is None else float(scale),

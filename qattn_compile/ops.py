@@ -156,7 +156,9 @@ def unsupported_reason(
     """Why the op cannot serve these inputs on ``device``, or ``None`` when it can."""
     if q_shape[-1] != k_shape[-1]:
         return f"query head dim {q_shape[-1]} != key head dim {k_shape[-1]}"
-    if q_shape[-3] % k_shape[-3]:
+    if min(q_shape[-1], v_shape[-1]) < 1:
+        return f"head dim 0 (q {tuple(q_shape)}, v {tuple(v_shape)})"
+    if k_shape[-3] == 0 or q_shape[-3] % k_shape[-3]:
         return f"query heads {q_shape[-3]} not a multiple of key/value heads {k_shape[-3]}"
     if tuple(q_shape[:-3]) != tuple(k_shape[:-3]) or tuple(k_shape[:-1]) != tuple(v_shape[:-1]):
         return (f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)} differ in batch "

@@ -326,8 +326,8 @@ def test_unmasked_calls_take_their_measured_h100_tile(monkeypatch):
 
 def test_register_capped_tiles_only_where_the_launch_takes_the_cap(monkeypatch):
     """The H100 table's capped tiles (D=128: two stages, ``maxnreg=168``; D=64: ``maxnreg=128``,
-    int_flash's 168) go to eager launches of long calls without a tensor mask, per preset and
-    mask kind; a traced launch (no cap), a short call, a tensor mask, or a constraint that
+    int_flash's 168) go to eager launches of long calls (from 4096 keys, before the short
+    tiles) without a tensor mask, per preset and mask kind; a traced launch (no cap), a short call, a tensor mask, or a constraint that
     changes the tile (fp8 ``q_token``'s 64-token V) gets the uncapped entry; the autotuner's
     first candidate is the same entry, and an explicit cap where the launch cannot pass it is
     refused."""
@@ -339,6 +339,10 @@ def test_register_capped_tiles_only_where_the_launch_takes_the_cap(monkeypatch):
         ("sage2_8b", 16384, "none", False, 0, long_tile),
         ("sage2_8b", 16384, "causal", True, 0, capped),
         ("sage2_8b", 16384, "causal", False, 0, long_tile),
+        # 4096 keys: sage2_8b's short square tile reaches them, but an eager launch is capped
+        ("sage2_8b", 4096, "none", True, 0, capped),
+        ("sage2_8b", 4096, "causal", False, 0, AttentionConfig(64, 64, 4, 3, tma=True)),
+        ("sage2_8b", 4095, "causal", True, 0, AttentionConfig(64, 64, 4, 3, tma=True)),
         ("fmha_int8", 16384, "causal", True, 0, capped),
         ("fmha_int8", 16384, "tensor", True, 0, long_tile),
         ("fmha_int8", 2048, "none", True, 0, long_tile),

@@ -99,3 +99,41 @@ def test_fully_masked_rows_are_zero_not_nan():
     assert not out.isnan().any()
     assert out[:, :, 3].abs().max() == 0
     assert out[:, :, 4].abs().max() > 0
+
+
+@pytest.mark.parametrize("lead", [(), (2, 3)], ids=["3d", "5d"])
+def test_leading_dims_pass_the_kernels_support_check(lead, monkeypatch):
+    """The kernels take 4-D ``[B, H, L, D]``; the functional API folds SDPA's leading dims
+    into B before asking them (on CPU: pretend the Triton path serves, as on CUDA)."""
+    from qattn_compile import ops
+
+    monkeypatch.setattr(ops, "execution_path", lambda device: "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' check accepts CPU tensors then
+    q, k, v = (t.reshape(*lead, *t.shape[1:]) if lead else t[0] for t in _qkv(b=6 if lead else 1))
+    out = qattn_compile.attention(q, k, v, is_causal=True, enable_gqa=True, preset="int_flash")
+    flat = qattn_compile.attention(*(t.reshape(-1, *t.shape[-3:]) for t in (q, k, v)),
+                                   is_causal=True, enable_gqa=True, preset="int_flash")
+    assert out.shape == (*lead, 4, 19, 32)
+    assert torch.equal(out, flat.reshape(out.shape))
+    # what the kernels still refuse is named with the 4-D shapes they were asked about
+    with pytest.raises(ValueError, match=r"head dim 300 of q \(\d+, 4, 19, 300\)"):
+        qattn_compile.attention(*(torch.randn(*t.shape[:-1], 300) for t in (q, k, v)),
+                                enable_gqa=True, preset="int_flash")
+
+
+@pytest.mark.parametrize("preset", ["int_flash", "sage2_8b", "fp8"])
+def test_empty_inputs_give_what_sdpa_gives(preset):
+    """Zero batch, heads, query or key length: SDPA's output (empty, or zeros when no key
+    exists), not an error from deep inside a quantizer."""
+    cases = [dict(b=0), dict(hq=0, hkv=0), dict(lq=0), dict(lkv=0), dict(d=0)]
+    for dims in cases:
+        q, k, v = _qkv(**{"hkv": 4, **dims})
+        out = qattn_compile.attention(q, k, v, preset=preset)
+        ref = F.scaled_dot_product_attention(q, k, v)
+        assert out.shape == ref.shape, (dims, out.shape, ref.shape)
+        assert torch.equal(out, ref), dims
+        if dims == dict(lkv=0):
+            assert out.numel() > 0  # rows with no key at all: zeros, as fully masked rows
+    q, k, v = _qkv(hkv=4)
+    with pytest.raises(ValueError, match=r"head dim 0 \(q \(2, 4, 19, 0\)"):
+        qattn_compile.attention(q[..., :0], k[..., :0], v, preset=preset)

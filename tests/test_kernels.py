@@ -824,7 +824,10 @@ def test_supports_reasons():
     cpu = torch.device("cpu")
     assert supports(shape, shape, shape, torch.float16, cpu, "sage2_8b", None) is None
     big = (1, 2, 16, 512)
-    assert "head dim 512 > 256" in supports(big, big, big, torch.float16, cpu, "flash", None)
+    assert "head dim 512 of q (1, 2, 16, 512) / v (1, 2, 16, 512) > 256" in supports(
+        big, big, big, torch.float16, cpu, "flash", None)
+    assert "q (1, 2, 16, 64), k (2, 16, 64), v (1, 2, 16, 64): the kernels take 4-D" in supports(
+        shape, shape[1:], shape, torch.float16, cpu, "flash", None)
     assert "float64" in supports(shape, shape, shape, torch.float64, cpu, "flash", None)
     assert "multiple" in supports((1, 3, 16, 64), shape, shape, torch.float16, cpu, "flash", None)
     assert "no kernel" in supports(shape, shape, shape, torch.float16, cpu, "none", None)

@@ -329,3 +329,29 @@ def test_gpu_supports_and_v_block_constraint():
     assert kern.supports(shape, shape, shape, torch.bfloat16, device, "fp8", None) is None
     cfg = kern.heuristics.attention_config("turbo", 128, torch.device(DEV), v_block=QUANT_BLOCK_KV)
     assert QUANT_BLOCK_KV % cfg.block_n == 0
+
+
+@pytest.mark.parametrize("lead", [(), (2, 3)], ids=["3d", "5d"])
+def test_functional_api_takes_sdpa_leading_dims_on_cuda(lead):
+    """``qattn_compile.attention`` with 3-D and 5-D inputs (SDPA's layouts) runs the kernels:
+    the same output as the 4-D call with the leading dims folded into the batch."""
+    import qattn_compile
+
+    torch.manual_seed(0)
+    shape = (*lead, 8, 300, 64) if lead else (8, 300, 64)
+    kv_shape = (*shape[:-3], 2, *shape[-2:])
+    q = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(kv_shape, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    out = qattn_compile.attention(q, k, v, is_causal=True, enable_gqa=True, preset="int_flash")
+    flat = qattn_compile.attention(*(t.reshape(-1, *t.shape[-3:]) for t in (q, k, v)),
+                                   is_causal=True, enable_gqa=True, preset="int_flash")
+    assert out.shape == shape
+    assert torch.equal(out, flat.reshape(shape))
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                           enable_gqa=True)
+    ref = reference_attention(*(t.reshape(-1, *t.shape[-3:]) for t in (q, k, v)), None, True,
+                              preset="int_flash").reshape(shape)
+    cos, rel, _ = metrics(out, exact)
+    _, ref_rel, _ = metrics(ref, exact)
+    print(f"functional {len(shape)}-D int_flash: cos {cos:.5f} rel-L1 {rel:.4f} (ref {ref_rel:.4f})")
+    assert rel <= 1.1 * ref_rel + EPS, (rel, ref_rel)

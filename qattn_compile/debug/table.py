@@ -49,7 +49,8 @@ QUANT_FORMATS = {
 
 
 def kernel_variant(report: SiteReport) -> str:
-    """What serves a rewritten site, e.g. ``triton int_flash qk=int8/token p=int8/tile v=int8/tensor``
+    """What serves a rewritten site, e.g. ``triton int_flash q=int8/token k=int8/block
+    p=int8/tile v=int8/tensor smooth=k``
     (`` tiles=autotuned`` appended when the site's tiles are timed, option ``autotune``).
 
     ``-`` for a site that was not rewritten.

@@ -37,7 +37,8 @@ from ..blocks import SMOOTH_Q_BLOCK, V_KEY_BLOCK
 
 V_COLSUM_TOKENS = 32
 """Tokens per int32 channel sum of V̂ written by the quantizer for fmha_int8's UINT8-P
-correction; every ``block_n`` is a multiple of it (the kernel adds ``block_n / 32`` sums)."""
+correction; every ``block_n`` is a multiple of it (the launcher adds ``block_n / 32`` of them
+up per key tile, which the kernel reads as one row)."""
 
 
 MAX_GRID_AXIS = 65535
@@ -162,12 +163,12 @@ _SHORT_KEYS: dict[tuple[str, int, str], tuple[int, AttentionConfig]] = {
 
 
 # Calls without any mask (no causal flag, no tensor mask), where another tile wins (long
-# sequences; short ones keep :data:`_SHORT_KEYS`). fp8 at D=128 with two pipeline stages: 164
-# registers and 74.8 KB of shared memory, so three programs share an SM instead of two; kernel
-# alone, TOPS with three / two stages, N=8K 795 / 824, N=16K 818 / 841 without a mask, but
-# 734 / 669 and 785 / 619 with a causal one (benchmarks/sweep.py; RESULTS.md, session 12,
-# run 4); N=4K 793-799 / 860-867 (session 14, run 6). Tensor masks were not measured, so
-# they keep the table's tile.
+# sequences; short ones keep :data:`_SHORT_KEYS`). fp8 at D=128 with two pipeline stages:
+# 164-168 registers as the code has changed (165 in session 28) and 74.8 KB of shared
+# memory, so three programs share an SM instead of two; kernel alone, TOPS with three / two
+# stages, N=8K 795 / 824, N=16K 818 / 841 without a mask, but 734 / 669 and 785 / 619 with a
+# causal one (benchmarks/sweep.py; RESULTS.md, session 12, run 4); N=4K 793-799 / 860-867
+# (session 14, run 6). Tensor masks were not measured, so they keep the table's tile.
 _UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
     ("fp8", 128, "sm90"): AttentionConfig(64, 128, 4, 2, tma=True),
 }
@@ -187,8 +188,8 @@ _UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
 # 569 → 664, causal 600 → 679 / 501 → 578; fp8 causal 783 → 814 / 670 → 739; int_flash 701 →
 # 731 (causal 681 → 697: within the rounds' spread, not capped). D=64: fp8 causal 572 → 595 /
 # 483 → 520, sage2_8b 509 → 539 / 476 → 506, int_flash causal 421 → 442 (16K). fp8 without
-# a mask already compiles to 168 registers with two stages at D=128 (:data:`_UNMASKED`) and to
-# 120 at D=64. Since the causal edge tile is straight-line code (session 26), fp8's and
+# a mask already compiles to at most 168 registers with two stages at D=128 (:data:`_UNMASKED`)
+# and to 120 at D=64. Since the causal edge tile is straight-line code (session 26), fp8's and
 # int_flash's D=64 causal kernels compile to their capped counts uncapped (126, 168; the caps
 # stay as the occupancy they were measured at), and sage2_8b's D=64 causal one spills 6
 # instructions at 128 (it spilled in the loop before, 494 → 484): 502 → 521 / 430 → 468
@@ -213,8 +214,9 @@ _REGISTER_CAPPED: dict[tuple[str, int, str, str], AttentionConfig] = {
     ("int_flash", 64, "sm90", "causal"): _THREE_PER_SM_D64,
 }
 _CAPPED_MIN_KEYS = 4096
-"""Keys from which :data:`_REGISTER_CAPPED` applies: its tiles were measured at 4K and 16K;
-shorter calls keep the table's (and :data:`_SHORT_KEYS`') uncapped tiles."""
+"""Keys from which :data:`_REGISTER_CAPPED` applies (before :data:`_SHORT_KEYS`): its tiles
+were measured at 4K and 16K; shorter calls keep the table's and :data:`_SHORT_KEYS`'
+uncapped tiles."""
 
 
 def _family(preset: str, dtype: torch.dtype) -> str:
@@ -308,14 +310,17 @@ def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype,
     dim = padded_dim(head_dim)
     if native_pv and (preset, dim, arch) in _NATIVE_PV:
         return _NATIVE_PV[(preset, dim, arch)]
-    short = _SHORT_KEYS.get((preset, dim, arch))
-    if short is not None and not native_pv and keys is not None and keys <= short[0]:
-        return short[1]
+    # a capped tile first: sage2_8b's D=128 short tile reaches 4096 keys, where the capped
+    # one wins (kernel alone, 4K: 716-751 / 634-658 TOPS against 632-649 / 584-603 without
+    # a mask / causal; RESULTS.md, session 28)
     mask_kind = "none" if unmasked else "causal" if causal_only else "tensor"
     capped = _REGISTER_CAPPED.get((preset, dim, arch, mask_kind))
     if (capped is not None and register_cap and not native_pv
             and (keys is None or keys >= _CAPPED_MIN_KEYS)):
         return capped
+    short = _SHORT_KEYS.get((preset, dim, arch))
+    if short is not None and not native_pv and keys is not None and keys <= short[0]:
+        return short[1]
     if unmasked and not native_pv and (preset, dim, arch) in _UNMASKED:
         return _UNMASKED[(preset, dim, arch)]
     return _ATTENTION_TABLE[(preset, _table_key_dtype(dtype), dim, arch)]

@@ -377,14 +377,16 @@ def supports(q_shape, k_shape, v_shape, dtype, device, preset, options) -> str |
 def _unsupported(q_shape, k_shape, v_shape, dtype, device: torch.device, preset: str) -> str | None:
     """:func:`supports` without the options checks (shapes, dtype, device, arch)."""
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
-        return "q, k, v must be 4-D [B, H, L, D]"
+        return (f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}: the kernels take "
+                "4-D [B, H, L, D]")
     d, dv = q_shape[-1], v_shape[-1]
     if k_shape[-1] != d:
         return f"query head dim {d} != key head dim {k_shape[-1]}"
     if min(d, dv) < 1:
         return f"head dim 0 (q {tuple(q_shape)}, v {tuple(v_shape)})"
     if max(d, dv) > MAX_HEAD_DIM:
-        return f"head dim {max(d, dv)} > {MAX_HEAD_DIM}"
+        return (f"head dim {max(d, dv)} of q {tuple(q_shape)} / v {tuple(v_shape)} > "
+                f"{MAX_HEAD_DIM}")
     if q_shape[0] != k_shape[0] or tuple(k_shape[:3]) != tuple(v_shape[:3]):
         return (f"batch/heads/length of q {tuple(q_shape)}, k {tuple(k_shape)}, "
                 f"v {tuple(v_shape)} disagree")
@@ -602,7 +604,9 @@ def kernel_attention(
     ``static_scales``: fmha_int8's calibrated α ``{"q", "k", "v"[, "o"]}`` for
     ``scales: static`` (as :func:`qattn_compile.reference.reference_attention`).
     ``output_like_q``: store the output ``[B, Lq, Hq, Dv]`` when q stores its heads inside
-    each token (:func:`qattn_compile.ops.output_buffer`); False: always contiguous.
+    each token (:func:`qattn_compile.ops.output_buffer`), except fmha_int8's re-quantized
+    output (``quantize_output``) and an empty one, which come back contiguous (the compiled
+    op copies them into q's layout); False: always contiguous.
     """
     opts, static = _resolve(preset, options, static_scales, q.device)
     if q.numel() == 0 or k.numel() == 0:  # no launch: checked here, then zeros

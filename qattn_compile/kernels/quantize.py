@@ -27,10 +27,10 @@ Kernels:
   also runs: fp8's K and transposed V, per in-tile group, in one launch.
 - :func:`_delta_s_kernel`: SageAttention2's ``ΔS = q̄·(K − k̄)ᵀ`` per query block.
 
-While torch traces (inside ``torch.compile``), the INT8 quantizer and the smoothing means
-take their torch form from :mod:`qattn_compile.lowering.quantize` instead, so that Inductor
-fuses them with the ops that produce Q and K; the transposed 8-bit V and
-:func:`quantize_int_smoothed` (smoothed Q, one pass) stay Triton kernels.
+While torch traces (inside ``torch.compile``), the INT8 and FP8 quantizers and the
+smoothing means take their torch form from :mod:`qattn_compile.lowering.quantize` instead,
+so that Inductor fuses them with the ops that produce Q and K; the transposed 8-bit V,
+:func:`quantize_int_smoothed` (smoothed Q, one pass) and ΔS stay Triton kernels.
 """
 
 from __future__ import annotations
@@ -103,7 +103,6 @@ class Quantized:
     group: int
     per_channel: bool = False
     transposed: bool = False
-    packed: bool = False
     mean: Tensor | None = None
     colsum: Tensor | None = None
 
@@ -661,7 +660,7 @@ def quantize_int(
         per_channel=False, mean=mean, mean_group=mean_group, scale_mul=scale_mul,
         colsum=colsum, colsum_chunk=colsum_chunk, transposed=transpose,
     )
-    return Quantized(data, scale, group, transposed=transpose, packed=num_bits == 4, mean=mean,
+    return Quantized(data, scale, group, transposed=transpose, mean=mean,
                      colsum=colsum)
 
 
@@ -693,7 +692,7 @@ def quantize_int_smoothed(
         group=group, scale_in=None, per_channel=False, mean=mean, mean_group=mean_group,
         scale_mul=scale_mul, mean_in_tile=True,
     )
-    return Quantized(data, scale, group, packed=num_bits == 4, mean=mean)
+    return Quantized(data, scale, group, mean=mean)
 
 
 def _fp8_decomposed(x: Tensor, group: int) -> bool:
@@ -758,32 +757,32 @@ def quantize_fp8_kv(k: Tensor, v: Tensor, group: int) -> tuple[Quantized, Quanti
     return Quantized(k_data, k_scale, group), Quantized(v_data, v_scale, group, transposed=True)
 
 
-def quantize_fp8_per_channel(
-    x: Tensor, *, smooth: bool = False, transpose: bool = True
-) -> Quantized:
+def quantize_fp8_per_channel(x: Tensor, *, smooth: bool = False) -> Quantized:
     """FP8 e4m3 with one scale per channel (SageAttention2's V; reference
     ``quantize_fp8_per_channel``), optionally smoothed first (``V − v̄``, v̄ over all tokens).
 
-    x: ``[B, H, L, D]``. Returns float8_e4m3fn ``[B, H, D, L_pad]`` (``transpose``) or
-    ``[B, H, L, D]``, scale float32 ``[B, H, D]`` = amax over tokens / 448, and the mean
+    x: ``[B, H, L, D]``. Returns float8_e4m3fn ``[B, H, D, L_pad]`` (transposed, K-major for
+    the P·V MMA), scale float32 ``[B, H, D]`` = amax over tokens / 448, and the mean
     ``[B, H, 1, D]`` when ``smooth``.
     """
     length = x.shape[-2]
     mean, scale = token_stats(x, max(length, 1), center=smooth, per_channel=True, qmax=FP8_MAX)
     scale = scale[:, :, 0, :]
-    data = _alloc_8bit(x, torch.float8_e4m3fn, transpose)
+    data = _alloc_8bit(x, torch.float8_e4m3fn, True)
     _launch_quantize(
-        x, data, _value_strides(data, transpose), qmax=FP8_MAX, out_fmt=int(_OUT_FP8),
+        x, data, _value_strides(data, True), qmax=FP8_MAX, out_fmt=int(_OUT_FP8),
         group=1, scale_in=scale, per_channel=True, mean=mean if smooth else None,
-        mean_group=max(length, 1), scale_mul=1.0, transposed=transpose,
+        mean_group=max(length, 1), scale_mul=1.0, transposed=True,
     )
-    return Quantized(data, scale, 1, per_channel=True, transposed=transpose,
+    return Quantized(data, scale, 1, per_channel=True, transposed=True,
                      mean=mean if smooth else None)
 
 
 def smooth_mean(x: Tensor, group: int | None = None) -> Tensor:
     """Channel mean per group of ``group`` tokens (default: all tokens), float32
-    ``[B, H, n_groups, D]`` (K/V smoothing: ``group=None``; Q smoothing: ``SMOOTH_Q_BLOCK``)."""
+    ``[B, H, n_groups, D]``. The launchers' K smoothing takes ``group=None``; SageAttention2's
+    per-block Q means come from :func:`quantize_int_smoothed` in the same pass as Q's
+    quantization (this function's per-group form checks them in the tests)."""
     if lowered.decomposed(x):
         return lowered.smooth_mean(x, group)
     mean, _ = token_stats(x, group or max(x.shape[-2], 1), center=True, per_channel=False)

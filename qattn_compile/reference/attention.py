@@ -496,7 +496,7 @@ def reference_attention(
     opts, statics, tau = _setup(q, k, v, preset, options, compute_dtype, static_scales, scale)
     b, hq, lq, _ = q.shape
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
-    if lq == 0 or lkv == 0:
+    if q.numel() == 0 or k.numel() == 0:  # no query rows or no keys: as the kernels
         return q.new_zeros((b, hq, lq, dv))
     ops = _prepare(q, k, v, preset, opts, compute_dtype, statics)
     bias = _bias_5d(mask_bias(attn_mask, is_causal, (b, hq, lq, lkv), compute_dtype, q.device), hkv)
