@@ -101,7 +101,7 @@ class QattnBackend:
         return self.options.policy
 
     def matched_rules(self) -> set[int]:
-        return {r.rule_index for r in self.site_reports if r.rule_index is not None}
+        return {i for r in self.site_reports for i in r.matched_rules}
 
     def unmatched_rules(self) -> list[str]:
         return self.policy.unmatched_rules(self.matched_rules())

@@ -35,6 +35,8 @@ def problem_sentence(
     kind, value = error["type"], error.get("input")
     if kind == "extra_forbidden":
         allowed = list(model.model_fields)
+        if not allowed:  # the caller's own "Allowed: ..." says that none is
+            return f"unknown key `{field}`"
         close = difflib.get_close_matches(str(field), allowed, n=1)
         hint = f" (did you mean `{close[0]}`?)" if close else ""
         return f"unknown key `{field}`{hint}; allowed keys: {', '.join(allowed)}"
@@ -51,8 +53,10 @@ def problem_sentence(
         return f"must be a list, got {describe_value(value)}"
     if kind in ("string_type", "str_type"):
         return f"must be a string, got {describe_value(value)}"
-    if kind in ("float_type", "int_type"):
+    if kind == "float_type":
         return f"must be a number, got {describe_value(value)}"
+    if kind in ("int_type", "int_from_float"):
+        return f"must be an integer, got {describe_value(value)}"
     if kind == "bool_type":
         return f"must be true or false, got {describe_value(value)}"
     return f"{error['msg']}, got {describe_value(value)}"

@@ -228,6 +228,10 @@ class Decision:
     """Which entry decided: ``rules[2] (match '*self_attn')``, ``default`` or ``ignore '*vit*'``."""
     reason: str
     """Human-readable explanation of the choice."""
+    matched_rules: tuple[int, ...] = ()
+    """Indices of every rule whose pattern matches the site, the winner and those it
+    overrides (also when an ignore pattern wins): what ``strict`` counts as a rule matching
+    a site."""
 
 
 # --------------------------------------------------------------------------- kv cache
@@ -459,13 +463,14 @@ class Policy(BaseModel):
 
     def decide(self, fqn: str, module_class: str | None = None) -> Decision:
         """Decide the preset of the attention site at module ``fqn`` (class ``module_class``)."""
+        hits = [i for i, rule in enumerate(self.rules) if rule.matches(fqn, module_class)]
         for pattern in self.ignore:
             if match_pattern(pattern, fqn):
                 return Decision(
                     "none", NoOptions(), None, f"ignore '{pattern}'",
                     f"'{fqn}' matches ignore pattern '{pattern}' (ignore always wins): left alone",
+                    tuple(hits),
                 )
-        hits = [i for i, rule in enumerate(self.rules) if rule.matches(fqn, module_class)]
         if hits:
             index = hits[-1]
             rule = self.rules[index]
@@ -474,14 +479,15 @@ class Policy(BaseModel):
             if len(hits) > 1:
                 reason += f" (it overrides {', '.join(f'rules[{i}]' for i in hits[:-1])})"
             reason += ": left alone" if rule.preset == "none" else f": preset {rule.preset}"
-            return Decision(rule.preset, rule.options, index, text, reason)
+            return Decision(rule.preset, rule.options, index, text, reason, tuple(hits))
         site = f"'{fqn}'" + (f" (class {module_class})" if module_class else "")
         outcome = "left alone" if self.default == "none" else f"preset {self.default}"
         reason = f"no rule matches {site}; the default applies: {outcome}"
         return Decision(self.default, self.default_options, None, "default", reason)
 
     def unmatched_rules(self, matched_indices: Collection[int]) -> list[str]:
-        """One description per rule whose index is not in ``matched_indices``."""
+        """One description per rule whose index is not in ``matched_indices`` (the union of
+        the sites' :attr:`Decision.matched_rules`)."""
         return [
             f"rule {i} ({rule.short_label()}) matched no site"
             for i, rule in enumerate(self.rules)

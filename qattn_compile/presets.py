@@ -110,7 +110,7 @@ from .messages import problem_sentence
 class PresetOptions(BaseModel):
     """Base of every preset's options: immutable, unknown keys rejected."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     def to_json(self) -> str:
         """Canonical JSON text of these options (what the graph op carries)."""
@@ -167,7 +167,7 @@ class StaticScales(BaseModel):
     :func:`qattn_compile.reference.reference_attention` (tensors ``[1, H, 1]``).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     q: tuple[StrictFloat, ...] | StrictFloat = Field(description="α_q: amax of Q per query head.")
     k: tuple[StrictFloat, ...] | StrictFloat = Field(description="α_k: amax of K per kv head.")

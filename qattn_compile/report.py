@@ -36,6 +36,7 @@ class SiteReport:
     causal_fast_path: bool = False  # the mask provably hides every key after its query
     gqa_source: str | None = None  # how K/V head sharing was found: repeat_kv, enable_gqa, ...
     causal_from_mask: bool = False  # the mask's causal part was proven and served as is_causal
+    matched_rules: tuple[int, ...] = ()  # every rule matching the site (Decision.matched_rules)
 
     def to_dict(self) -> dict:
         return asdict(self)

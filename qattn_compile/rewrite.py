@@ -32,7 +32,7 @@ from torch import fx
 
 from . import ops
 from .errors import UnsupportedSiteError
-from .evaluation.calibrate import options_for_site
+from .evaluation.calibrate import options_for_site, site_key
 from .patterns import AttentionSite, find_attention_sites
 from .patterns.masks import MaskSpec, split_causal
 from .patterns.nodes import example_value, shape_of, tensor_value
@@ -217,16 +217,21 @@ def rewrite_attention(
     Raises :class:`UnsupportedSiteError` for a site that cannot be served when the policy
     says ``on_unsupported: error`` (before the graph is modified).
     """
-    reports, chosen = [], []
+    reports, chosen, calls = [], [], {}
     for site in find_attention_sites(gm):
+        occurrence = calls.get(site.fqn, 0)  # this call's index among its module's calls
+        calls[site.fqn] = occurrence + 1
         decision = policy.decide(site.fqn, site.module_class)
         if autotune is not None and isinstance(decision.options, KernelOptions):
             options = decision.options.model_copy(update={"autotune": autotune})
             decision = dataclasses.replace(decision, options=options)
-        # The site's own options (static fmha_int8's calibrated α) before the support check,
-        # which needs them.
-        options = options_for_site(decision.preset, decision.options, site.fqn, policy.source)
-        decision = dataclasses.replace(decision, options=options)
+        # The site's own options (static fmha_int8's calibrated α, keyed as the capture
+        # keys them) before the support check, which needs them; a site the finder refused
+        # falls back whatever its options, and calibration never recorded it.
+        if site.refusal is None:
+            options = options_for_site(decision.preset, decision.options,
+                                       site_key(site.fqn, occurrence), policy.source)
+            decision = dataclasses.replace(decision, options=options)
         report = _decide(site, decision, policy, graph_index)
         reports.append(report)
         if report.status == REWRITTEN:
@@ -255,6 +260,7 @@ def _decide(site: AttentionSite, decision: Decision, policy: Policy, graph_index
         options=decision.options.model_dump(),
         rule=decision.rule_text,
         rule_index=decision.rule_index,
+        matched_rules=decision.matched_rules,
         status=LEFT_ALONE,
         reason=decision.reason,
         graph_index=graph_index,

@@ -157,6 +157,30 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, q, q)
 
 
+class TwoAttentions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a1, self.a2 = Attention(), Attention()
+
+    def forward(self, q):
+        return self.a2(self.a1(q))
+
+
+def test_strict_counts_rules_that_match_but_do_not_decide():
+    """``strict`` catches rules that match nothing (typos), not rules that match sites where
+    a later rule or an ignore pattern decides."""
+    policy = {"qattn": 1, "default": "none", "strict": True, "ignore": ["a2"],
+              "rules": [{"match": "a*", "preset": "flash"},  # overridden on a1, ignored on a2
+                        {"module_class": "Attention", "preset": "int_flash"},
+                        {"match": "a2", "preset": "fp8"}]}  # matches only an ignored site
+    be = qattn_compile.backend(policy, compiler="eager")
+    _compat.reset_dynamo()
+    torch.compile(TwoAttentions(), backend=be)(torch.randn(1, 2, 8, 16))
+    assert [(r.fqn, r.preset, r.matched_rules) for r in be.site_reports] == [
+        ("a1", "int_flash", (0, 1)), ("a2", "none", (0, 1, 2))]
+    assert be.unmatched_rules() == []
+
+
 class TwoGraphs(nn.Module):
     """Two attention sites that dynamo puts in two graphs (a graph break between them)."""
 

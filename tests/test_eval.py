@@ -202,6 +202,43 @@ def test_static_sites_pass_the_kernels_support_check(bert_ev, bert_scales, monke
     assert all(r.options["static_scales"] is not None for r in be.site_reports)
 
 
+class _Attend(torch.nn.Module):
+    def forward(self, q, k, v, dropout_p=0.0):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+
+
+class _SharedAttention(torch.nn.Module):
+    """One attention module called twice (as ALBERT shares its layers), the second call on
+    inputs 10× larger; and a module ``b`` whose call the finder refuses (dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.b = _Attend(), _Attend()
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v) + self.attn(10 * q, 10 * k, 10 * v) + self.b(q, k, v, 0.5)
+
+
+def test_static_scales_follow_each_call_of_a_shared_module(tmp_path, caplog):
+    """A module whose attention runs twice in one graph gets each call's own α (the capture's
+    keys ``attn``, ``attn#1``); a site the finder refuses falls back with its reason even
+    though the calibration file has no entry for it."""
+    entry = lambda a: {n: [a] * 2 for n in "qkvo"}  # noqa: E731  (2 heads)
+    payload = {"format": "qattn-scales", "version": 1,
+               "sites": {"attn": entry(3.0), "attn#1": entry(30.0)}}
+    path = save_scales(payload, tmp_path / "scales.pt")
+    policy = {"qattn": 1, "default": "fmha_int8",
+              "default_options": {"scales": "static", "calibration": str(path)}}
+    be = qattn_compile.backend(policy=policy, compiler="eager")
+    _compat.reset_dynamo()
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    torch.compile(_SharedAttention(), backend=be)(q, k, v)
+    by_site = [(r.fqn, r.status, (r.options.get("static_scales") or {}).get("q"))
+               for r in be.site_reports]
+    assert by_site[:2] == [("attn", "rewritten", (3.0, 3.0)), ("attn", "rewritten", (30.0, 30.0))]
+    assert by_site[2][:2] == ("b", "fallback") and "dropout" in be.site_reports[2].reason
+
+
 def test_head_priority_formula():
     # one head, two channels: gaps 6 and 2; head range 6 - (-1) = 7; population std of (6, 2)
     # = 2, so gap × std (14) differs from gap / std, gap alone and std alone

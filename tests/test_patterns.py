@@ -712,7 +712,8 @@ class TransformersCausalMask(nn.Module):
 
 class HandBuiltCausal(nn.Module):
     """SDPA with ``kv_pos <= q_pos`` AND a padding term, positions from ``positions``:
-    ``arange`` (+ shifts), ``gathered`` (transformers' ``position_ids[batch_idx, idx]`` with
+    ``arange`` (+ shifts), ``named`` (the shifts as ``arange``'s start, ``end`` named),
+    ``gathered`` (transformers' ``position_ids[batch_idx, idx]`` with
     ``arange`` position ids) or ``user`` (a run-time tensor: nothing says it is 0, 1, 2, ...)."""
 
     def __init__(self, positions: str = "arange", q_shift: int = 0, kv_shift: int = 0):
@@ -721,6 +722,9 @@ class HandBuiltCausal(nn.Module):
 
     def forward(self, q, k, v, keep, bias):
         q_pos, kv_pos = torch.arange(L) + self.q_shift, torch.arange(L) + self.kv_shift
+        if self.positions == "named":
+            q_pos = torch.arange(self.q_shift, end=L + self.q_shift)
+            kv_pos = torch.arange(start=self.kv_shift, end=L + self.kv_shift)
         if self.positions == "user":
             q_pos = kv_pos = bias[0, 0, 0].argsort()
         if self.positions == "gathered":  # the shifts move the position ids, not the indices
@@ -744,7 +748,10 @@ def test_causal_only_mask_becomes_is_causal_without_mask():
 
 
 @pytest.mark.parametrize(
-    "module", [HandBuiltCausal(q_shift=5, kv_shift=5), HandBuiltCausal("gathered")], ids=["offsets 5, 5", "gathered"]
+    "module",
+    [HandBuiltCausal(q_shift=5, kv_shift=5), HandBuiltCausal("named", q_shift=5, kv_shift=5),
+     HandBuiltCausal("gathered")],
+    ids=["offsets 5, 5", "named arange arguments 5, 5", "gathered"],
 )
 def test_proven_causal_comparison_leaves_the_padding_term(module):
     expected, got, rec = run_compiled(module, *attention_inputs())
@@ -758,10 +765,12 @@ def test_proven_causal_comparison_leaves_the_padding_term(module):
     [
         HandBuiltCausal("user"),
         HandBuiltCausal(q_shift=1),
+        HandBuiltCausal("named", q_shift=2),
         HandBuiltCausal("gathered", kv_shift=1),
         TransformersCausalMask(q_offset=1),
     ],
-    ids=["position tensor", "arange+1 vs arange", "gathered arange+1", "sdpa_mask q_offset=1"],
+    ids=["position tensor", "arange+1 vs arange", "arange(2, end=) vs arange(start=0, end=)",
+         "gathered arange+1", "sdpa_mask q_offset=1"],
 )
 def test_unproven_causal_comparison_keeps_the_full_mask(module):
     expected, got, rec = run_compiled(module, *attention_inputs())

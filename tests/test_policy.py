@@ -320,6 +320,7 @@ def test_last_matching_rule_wins():
         rule_text="rules[1] (match 're:model\\.layers\\.(0|31)\\.self_attn')",
         reason="rules[1] (match 're:model\\.layers\\.(0|31)\\.self_attn') is the last rule "
         "matching 'model.layers.0.self_attn' (it overrides rules[0]): preset fmha_int8",
+        matched_rules=(0, 1),
     )
     d = p.decide("model.layers.5.self_attn", "LlamaAttention")
     assert (d.preset, d.rule_index, d.rule_text) == ("sage2_8b", 0, "rules[0] (match '*self_attn')")
@@ -339,9 +340,11 @@ def test_order_decides_not_specificity():
 
 def test_ignore_always_wins():
     p = load_policy(FULL)
-    for fqn in ("model.vision_tower.layers.0.self_attn", "decoder.block.3.cross_attn"):
+    for fqn, matched in (("model.vision_tower.layers.0.self_attn", (0, 2)),
+                         ("decoder.block.3.cross_attn", (2,))):
         d = p.decide(fqn, "BertSelfAttention")
         assert (d.preset, d.rule_index, d.options) == ("none", None, NoOptions())
+        assert d.matched_rules == matched  # the rules match (strict counts them); ignore wins
         assert d.rule_text.startswith("ignore '")
         assert "always wins" in d.reason
     assert p.decide("decoder.block.3.cross_attn", None).rule_text == "ignore 're:.*\\.cross_attn'"

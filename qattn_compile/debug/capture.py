@@ -59,7 +59,7 @@ class Capture:
 
     def unmatched_rules(self) -> list[str]:
         """The policy's lines for the rules no site matched (e.g. ``rule 2 (`*x`) matched no site``)."""
-        matched = {r.rule_index for r in self.reports if r.rule_index is not None}
+        matched = {i for r in self.reports for i in r.matched_rules}
         return self.policy.unmatched_rules(matched)
 
 

@@ -179,15 +179,24 @@ def resolve_calibration_path(calibration: str, policy_source: str | None = None)
     return path
 
 
+def site_key(fqn: str, occurrence: int) -> str:
+    """A site's key in a calibration file (and in a capture): the module FQN (``"(top
+    level)"`` when empty), ``fqn#1``, ``fqn#2``... for the later calls of a module whose
+    attention runs more than once in one graph (``occurrence``: 0 for the first)."""
+    base = fqn or "(top level)"
+    return base if occurrence == 0 else f"{base}#{occurrence}"
+
+
 def options_for_site(
-    preset: str, options: PresetOptions, fqn: str, policy_source: str | None = None
+    preset: str, options: PresetOptions, key: str, policy_source: str | None = None
 ) -> PresetOptions:
     """The options a site's op gets: static ``fmha_int8`` options with the site's α filled in.
 
     Every other preset, dynamic mode, or options that already carry ``static_scales`` are
     returned unchanged (the same object). Raises :class:`PolicyError` when the calibration
-    file is missing, unreadable, or has no entry for ``fqn``. This is the one call the
-    rewrite makes per site (``policy_source``: the policy file, for relative paths).
+    file is missing, unreadable, or has no entry for ``key`` (the site's :func:`site_key`:
+    a module's second attention call in one graph has its own α). The rewrite and the
+    capture call this per site (``policy_source``: the policy file, for relative paths).
     """
     if preset != "fmha_int8" or not isinstance(options, FmhaInt8Options):
         return options
@@ -195,11 +204,12 @@ def options_for_site(
         return options
     path = resolve_calibration_path(options.calibration, policy_source)
     data = load_scales(path)
-    entry = data["sites"].get(fqn or "(top level)")
+    key = key or site_key("", 0)
+    entry = data["sites"].get(key)
     if entry is None:
         known = ", ".join(list(data["sites"])[:6])
         raise PolicyError(
-            f"calibration file {path} has no scales for attention site {fqn or '(top level)'!r} "
+            f"calibration file {path} has no scales for attention site {key!r} "
             f"(it has {len(data['sites'])} sites: {known}{', ...' if len(data['sites']) > 6 else ''}); "
             f"run `qattn calibrate` on this model"
         )

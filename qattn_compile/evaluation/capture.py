@@ -48,6 +48,7 @@ from ..policy import Policy, load_policy
 from ..presets import options_from_json
 from ..reference import exact_attention
 from ..report import REWRITTEN, SiteReport
+from .calibrate import site_key
 
 
 
@@ -130,11 +131,6 @@ class CaptureResult:
         raise KeyError(key)
 
 
-def site_key(fqn: str, occurrence: int) -> str:
-    base = fqn or "(top level)"
-    return base if occurrence == 0 else f"{base}#{occurrence}"
-
-
 class CaptureBackend:
     """A dynamo backend that applies ``policy`` (eager) and records every rewritten site.
 
@@ -209,7 +205,7 @@ class CaptureBackend:
             if self.full_precision:
                 node.target = full_precision_attention
             else:
-                _fill_static_scales(node, report.fqn, self.policy.source)
+                _fill_static_scales(node, key, self.policy.source)
             with gm.graph.inserting_after(node):
                 gm.graph.call_function(_record, (token, slot, *node.args[:4], node))
         gm.recompile()
@@ -219,13 +215,14 @@ class CaptureBackend:
         return gm.forward
 
 
-def _fill_static_scales(node: fx.Node, fqn: str, policy_source: str) -> None:
-    """Put the site's calibrated α into a static fmha_int8 op node's options JSON."""
+def _fill_static_scales(node: fx.Node, key: str, policy_source: str) -> None:
+    """Put the calibrated α of the site ``key`` (:func:`~.calibrate.site_key`) into a static
+    fmha_int8 op node's options JSON."""
     from .calibrate import options_for_site
 
     preset, text = node.args[6], node.args[7]
     options = options_from_json(preset, text)
-    filled = options_for_site(preset, options, fqn, policy_source)
+    filled = options_for_site(preset, options, key, policy_source)
     if filled is not options:
         node.args = (*node.args[:7], filled.to_json())
 

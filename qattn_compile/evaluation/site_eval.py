@@ -103,7 +103,7 @@ def isolated_site_metrics(
     opts = resolve_options(preset, options)
     if preset == "none":
         return site_metrics(record)
-    opts = options_for_site(preset, opts, record.fqn, policy_source)
+    opts = options_for_site(preset, opts, record.key, policy_source)
     outs = []
     with torch.no_grad():
         for call in record.calls:

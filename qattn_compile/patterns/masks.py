@@ -161,11 +161,15 @@ def _new_axes_only(index) -> bool:
 
 
 def _arange_call(node: fx.Node) -> _Arange | None:
-    """``torch.arange(end)`` / ``torch.arange(start, end[, 1])`` with a constant start."""
-    if node.kwargs.get("step", 1) != 1 or (len(node.args) > 2 and node.args[2] != 1):
+    """``torch.arange(end)`` / ``torch.arange(start, end[, 1])`` with a constant start, its
+    arguments positional or named (``arange(2, end=n)``: one positional argument is the
+    start when ``end`` is named)."""
+    named = dict(node.kwargs)
+    names = ("start", "end", "step") if len(node.args) >= 2 or "end" in named else ("end",)
+    named.update(zip(names, node.args))
+    if named.get("step", 1) != 1:
         return None
-    start = node.args[0] if len(node.args) >= 2 else node.kwargs.get("start", 0)
-    offset = _int_constant(start)
+    offset = _int_constant(named.get("start", 0))
     return None if offset is None else _Arange(offset, -1)
 
 
