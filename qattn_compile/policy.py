@@ -1,6 +1,6 @@
 """The policy: which attention method every attention site of a model gets.
 
-A policy is a YAML document (DESIGN.md §4)::
+A policy is a YAML document (README.md, "Policy")::
 
     qattn: 1                  # schema version (required; only 1 exists)
     default: none             # preset for sites no rule matches; none = leave untouched

@@ -26,12 +26,14 @@ def step(message: str, stream=None):
     ticker = threading.Thread(target=tick, daemon=True) if live else None
     if ticker:
         ticker.start()
+    outcome = "failed after"
     try:
         yield
+        outcome = "done in"
     finally:
         done.set()
         if ticker:
             ticker.join()
         prefix = "\r" + message + " ..." if live else "  "
-        stream.write(f"{prefix} done in {time.perf_counter() - start:.1f} s\n")
+        stream.write(f"{prefix} {outcome} {time.perf_counter() - start:.1f} s\n")
         stream.flush()

@@ -50,6 +50,7 @@ def write_report(path: str | Path, reports: list[SiteReport], unmatched_rules: l
         "pattern_counts": count_by_pattern(reports),
         "unmatched_rules": unmatched_rules,
     }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2))
 
 

@@ -306,3 +306,19 @@ def test_tiny_llama_causal_mask_is_served_as_is_causal():
     ] * 2
     assert all("causal+padding (→ is_causal)" in site_row(r) for r in be.site_reports)
     assert compare(out, reference)["cos"] > COS_FLOOR["flash"]
+
+
+def test_progress_step_reports_a_failure_as_such():
+    """A CLI step that raises says "failed after", not "done in", before the error."""
+    import io
+
+    from qattn_compile.progress import step
+
+    out = io.StringIO()
+    with step("loading", stream=out):
+        pass
+    with pytest.raises(ValueError), step("parsing", stream=out):
+        raise ValueError("bad")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "loading ..." and lines[1].startswith("   done in ")
+    assert lines[2] == "parsing ..." and lines[3].startswith("   failed after ")

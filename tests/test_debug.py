@@ -150,6 +150,16 @@ def test_diff_keeps_left_alone_sites_and_shows_provenance(typo_diff):
     assert added.endswith(f"  # qattn: site model.layers.0.self_attn | {rule} | pattern sdpa | preset int_flash")
 
 
+def test_tiny_config_shrinks_every_sub_config():
+    """A vision-language model type is tiny in its text and vision towers too (they kept
+    their full sizes: `explain llava` ran out of memory), per-layer lists cut to the layers."""
+    llava = tiny_config("llava")
+    for sub in (llava.text_config, llava.vision_config):
+        assert (sub.hidden_size, sub.num_hidden_layers, sub.num_attention_heads) == (64, 2, 4)
+    gemma3 = tiny_config("gemma3").text_config
+    assert gemma3.num_hidden_layers == len(gemma3.layer_types) == 2 and gemma3.head_dim == 16
+
+
 def test_diff_of_hand_written_attention_anchors_each_site():
     config = tiny_config("llama")
     model = AutoModel.from_config(config, attn_implementation="eager").eval()
@@ -297,6 +307,11 @@ def test_spec_errors_name_the_accepted_forms():
         load_spec("no-such-model")
     with pytest.raises(ModelSpecError, match="module:callable"):
         load_spec("no_such_module_xyz:fn")
+    for bad in (":fn", ".relative_xyz:fn"):  # no module name, a relative import
+        with pytest.raises(ModelSpecError, match=f"MODEL_SPEC '{bad}': cannot load module:callable"):
+            load_spec(bad)
+    with pytest.raises(ModelSpecError, match="sep is a str, not a callable"):
+        load_spec("os:sep")
     with pytest.raises(ModelSpecError, match="zoo model 'llama' takes .*eager.*'flash'"):
         load_spec("llama:flash")
 

@@ -141,6 +141,8 @@ def test_calibration_file_and_static_scales(bert_ev, bert_scales):
     per_head = call.q.abs().amax(dim=(0, 2, 3))
     assert torch.allclose(torch.tensor(entry["q"], dtype=torch.float64), per_head.double(), rtol=1e-6)
     assert sorted(entry["priority"]["order"]) == [0, 1, 2, 3]
+    prio = entry["priority"]  # K × V, as the KV cache ranks heads (kvcache.priority)
+    assert prio["kv"] == pytest.approx([pk * pv for pk, pv in zip(prio["k"], prio["v"])])
     # options_for_site fills the site's α in; the reference reads them from the options
     opts = resolve_options("fmha_int8", static_options(path))
     filled = options_for_site("fmha_int8", opts, rec.fqn)
@@ -366,7 +368,8 @@ def _cli(argv):
 
 
 def test_cli_eval_and_calibrate(tmp_path, capsys):
-    report, plot, scales = tmp_path / "e.json", tmp_path / "e.png", tmp_path / "s.pt"
+    # the outputs' directory does not exist yet: it is created (not an error after the run)
+    report, plot, scales = tmp_path / "out" / "e.json", tmp_path / "out" / "e.png", tmp_path / "s.pt"
     assert _cli(["calibrate", "tiny-bert", "-o", str(scales), "--no-compare"]) == 0
     out = capsys.readouterr().out
     assert "inputs: random tokens" in out and "static α" in out and "kv heads by priority" in out
@@ -395,3 +398,77 @@ def test_minilm_eval_one_preset(monkeypatch, capsys):
     assert all(0.999 < c < 1.0 for c in cosines)
     e2e = float(out.split("embedding vs uncompiled fp32: cos ")[1].split()[0])
     assert 0.9995 < e2e < 1.0
+
+
+def test_evaluator_casts_float_inputs_with_the_model():
+    """A model with float inputs (Whisper's ``input_features``) runs in a 16-bit dtype: the
+    inputs are cast with the weights (they stayed float32, and the first conv refused them)."""
+    torch.manual_seed(0)
+    ev = Evaluator(load_inputs("whisper"), device="cpu", dtype=torch.bfloat16)
+    features = ev.inputs.bundle.kwargs["input_features"]
+    assert features.dtype == torch.bfloat16 and ev.inputs.bundle.kwargs["decoder_input_ids"].dtype == torch.long
+    result = ev.run_preset("flash")
+    assert all(s.status == "rewritten" for s in result.sites)
+    assert result.e2e["cos"] > 0.99  # bfloat16 against the float32 reference
+
+
+_FALLBACK_MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Frozen(nn.Module):
+    """K/V are parameters: attention that requires grad is not served (it falls back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = nn.Parameter(torch.randn(1, 2, 8, 16))
+
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, self.kv, self.kv)
+
+
+class Plain(nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ok, self.frozen = Plain(), Frozen()
+
+    def forward(self, q):
+        return self.ok(q) + self.frozen(q)
+
+
+def build():
+    torch.manual_seed(0)
+    return Model().eval(), (torch.randn(1, 2, 8, 16),)
+
+
+def top_level():
+    torch.manual_seed(0)
+    return Plain().eval(), (torch.randn(1, 2, 8, 16),)
+'''
+
+
+def test_calibrate_and_tune_leave_out_a_site_that_falls_back(tmp_path, monkeypatch, caplog):
+    """A site the full-precision capture cannot rewrite has no recorded inputs: calibration
+    skips it with a warning, tune leaves it alone (it crashed on the empty recording); a
+    model that is itself the attention is tuned with a rule for the empty FQN."""
+    (tmp_path / "fallback_model.py").write_text(_FALLBACK_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ev = Evaluator(load_inputs("fallback_model:build"), device="cpu", fp_capture=True)
+    assert [(s.key, s.status, len(s.calls)) for s in ev.fp.sites] == [
+        ("ok", "rewritten", 1), ("frozen", "fallback", 0)]
+    assert set(calibrate_capture(ev.fp)["sites"]) == {"ok"}
+    assert "frozen falls back" in caplog.text and "requires grad" in caplog.text
+    result = tune(ev, 0.99)
+    presets = {c.fqn: c.preset for c in result.choices}
+    assert presets["frozen"] == "none" and presets["ok"] != "none", presets
+    assert "not recorded in the full-precision capture" in result.policy_text
+    top = tune(Evaluator(load_inputs("fallback_model:top_level"), device="cpu", fp_capture=True), 0.99)
+    preset = top.choices[0].preset
+    assert preset != "none" and load_policy(top.policy_text).decide("").preset == preset

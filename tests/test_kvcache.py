@@ -193,6 +193,19 @@ def test_flush_when_full_compresses_the_buffer_and_never_old_blocks(buffer_token
     assert ((got - expected).unflatten(3, (old_blocks, KV_CACHE_BLOCK)).abs() <= bound + 1e-6).all()
 
 
+def test_updates_beyond_max_cache_len_raise():
+    """One token, a few, or a bulk update past the capacity: a named error, not tokens the
+    dense view (cut at ``max_cache_len``) silently drops."""
+    for steps, new in ((0, 1), (0, 3), (1, 150)):
+        layer, _, _ = _filled_layer(length=150, steps=steps, capacity=150 + steps)  # full
+        stored = int(layer.length)
+        k, v = _kv(length=new)
+        with pytest.raises(ValueError, match=rf"{stored} stored \+ {new} new tokens exceed "
+                                             rf"max_cache_len={stored}"):
+            layer.append(k, v)
+        assert int(layer.length) == stored
+
+
 def test_bulk_update_after_prefill():
     layer, k, v = _filled_layer(length=100, steps=3)
     k2, v2 = _kv(length=150)
@@ -269,6 +282,10 @@ def test_cache_from_policy_names_layers_by_fqn():
     assert kinds == [("FlashQLayer", 0), ("FlashQLayer", 1), ("StaticLayer", None)]
     with pytest.raises(PolicyError, match="no `kv_cache:` block"):
         FlashQCache.from_policy(model, {"qattn": 1}, 64)
+    too_many = {"qattn": 1, "kv_cache": {"rules": [{"match": "*layers.1.*", "int2_heads": 3}]}}
+    with pytest.raises(PolicyError, match=r"model.layers.1.self_attn \(layer 1\) int2_heads=3, "
+                                          r"but the model has 2 kv heads"):
+        FlashQCache.from_policy(model, too_many, 64)  # when the cache is made, not in generate
 
 
 def test_memory_accounting():

@@ -50,8 +50,9 @@ class GraphDiff:
         return render_html(self.capture, self.title)
 
     def write_html(self, path: str | Path) -> Path:
-        """Write :meth:`html` to ``path`` and return the path."""
+        """Write :meth:`html` to ``path`` (its directory created if missing); return the path."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.html(), encoding="utf-8")
         return path
 

@@ -84,17 +84,33 @@ def load_spec(spec: str) -> ModelBundle:
 
 
 def tiny_config(model_type: str):
-    """The default config of ``model_type`` with the :data:`TINY` sizes it has."""
+    """The default config of ``model_type`` with the :data:`TINY` sizes it has; a composite
+    config (a vision-language model's ``text_config`` and ``vision_config``) gets them in
+    each of its sub-configs too."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    overrides = {key: value for key, value in TINY.items() if hasattr(default, key)}
-    vocab = overrides.get("vocab_size", getattr(default, "vocab_size", None))
+    overrides = _tiny_overrides(default)
+    for name in getattr(default, "sub_configs", {}):
+        sub = getattr(default, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            overrides[name] = type(sub)(**{**sub.to_dict(), **_tiny_overrides(sub)})
+    return AutoConfig.for_model(model_type, **overrides)
+
+
+def _tiny_overrides(config) -> dict:
+    """The :data:`TINY` sizes ``config`` has, and its special token ids moved into the tiny
+    vocabulary."""
+    overrides = {key: value for key, value in TINY.items() if hasattr(config, key)}
+    layer_types = getattr(config, "layer_types", None)  # one per layer (sliding / full ...)
+    if isinstance(layer_types, (list, tuple)) and "num_hidden_layers" in overrides:
+        overrides["layer_types"] = list(layer_types[: overrides["num_hidden_layers"]])
+    vocab = overrides.get("vocab_size", getattr(config, "vocab_size", None))
     for key in TOKEN_IDS:
-        token = getattr(default, key, None)
+        token = getattr(config, key, None)
         if vocab is not None and isinstance(token, int) and token >= vocab:
             overrides[key] = 0
-    return AutoConfig.for_model(model_type, **overrides)
+    return overrides
 
 
 def bundle_from_config(name: str, config) -> ModelBundle:

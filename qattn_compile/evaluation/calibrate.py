@@ -11,9 +11,10 @@ attention site, records:
 - ``priority``: TurboAttention's head-wise priority for KV-cache compression, per kv head,
   for K and V: over the valid (not padding-masked) tokens of every call, the per-channel gap
   ``g_c = max_t x[t, c] − min_t x[t, c]``; the head's ``gap`` = max − min over all its tokens
-  and channels; ``priority = gap × std_c(g_c)`` (population std). ``kv`` = priority_k +
-  priority_v; ``order`` lists kv heads from the highest combined priority (keep at higher
-  precision) to the lowest (compress first).
+  and channels; ``priority = gap × std_c(g_c)`` (population std). ``kv`` = priority_k ×
+  priority_v (as the KV cache ranks heads, :mod:`qattn_compile.kvcache.priority`); ``order``
+  lists kv heads from the highest combined priority (keep at higher precision) to the lowest
+  (compress first).
 
 File format (``torch.save`` of plain Python data — lists of floats, no tensors, so that it
 can be read inside a dynamo backend where tensor creation is faked; read it with
@@ -34,6 +35,7 @@ scales.pt}``; :func:`options_for_site` fills the site's α into its options.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -43,9 +45,12 @@ import torch
 
 from ..errors import PolicyError, QattnError
 from ..presets import FmhaInt8Options, PresetOptions, StaticScales
+from ..report import FALLBACK
 
 if TYPE_CHECKING:  # no runtime import: the rewrite imports this module (options_for_site)
     from .capture import CaptureResult, SiteRecord
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "qattn-scales"
 VERSION = 1
@@ -102,7 +107,7 @@ def site_scales(record: SiteRecord) -> dict[str, Any]:
                 hi, lo = torch.maximum(ranges[name][0], hi), torch.minimum(ranges[name][1], lo)
             ranges[name] = (hi, lo)
     pk, pv = head_priority(*ranges["k"]), head_priority(*ranges["v"])
-    combined = pk["priority"] + pv["priority"]
+    combined = pk["priority"] * pv["priority"]  # the cache's ranking (kvcache.priority)
     first = record.calls[0]
     cpu = lambda t: [float(x) for x in t.detach().to("cpu", torch.float64).tolist()]  # noqa: E731
     return {
@@ -120,11 +125,19 @@ def site_scales(record: SiteRecord) -> dict[str, Any]:
 
 
 def calibrate_capture(cap: CaptureResult, *, model: str = "", inputs: str = "", samples: int = 0) -> dict:
-    """The scales payload (module docstring) of a full-precision capture."""
+    """The scales payload (module docstring) of a full-precision capture. A site the capture
+    could not rewrite (it fell back: no op, no inputs recorded) gets no entry, with a
+    warning: a policy cannot rewrite it either."""
+    sites = {}
+    for rec in cap.sites:
+        if rec.calls or rec.report is None or rec.report.status != FALLBACK:
+            sites[rec.key] = site_scales(rec)
+        else:
+            logger.warning("calibration: site %s falls back (%s): no scales recorded",
+                           rec.key, rec.report.reason)
     return {
         "format": FORMAT, "version": VERSION, "model": model, "inputs": inputs,
-        "samples": samples, "method": "amax",
-        "sites": {rec.key: site_scales(rec) for rec in cap.sites},
+        "samples": samples, "method": "amax", "sites": sites,
     }
 
 

@@ -22,13 +22,19 @@ from pathlib import Path
 
 import torch
 
+from ..debug.commands import SPEC_HELP
 from ..errors import QattnError
-from ..models import MINILM
 from ..policy import DEFAULT_POLICY_PATH, load_policy
 from ..presets import PRESET_NAMES, QUANTIZED_PRESETS
 from ..progress import step
 from . import png
-from .calibrate import calibrate_capture, format_scales, save_scales, static_options
+from .calibrate import (
+    calibrate_capture,
+    format_scales,
+    resolve_calibration_path,
+    save_scales,
+    static_options,
+)
 from .inputs import load_inputs
 from .site_eval import Evaluator, RunResult, format_e2e, format_matrix, format_run
 from .tuning import (
@@ -51,15 +57,35 @@ PLOT_FLOOR = 1e-6
 # --------------------------------------------------------------------------- shared
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (checked before any model is loaded)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _ranking_spec(text: str) -> str:
+    """argparse type of ``--ranking``: a file, ``measure`` or ``measure:SEQ`` (SEQ >= 1)."""
+    kind, colon, seq = text.partition(":")
+    if kind == "measure" and colon:
+        _positive_int(seq)
+    return text
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL_SPEC",
-                   help=f"{MINILM}, tiny-llama, tiny-bert or module:callable")
+    p.add_argument("model", metavar="MODEL_SPEC", help=SPEC_HELP)
     p.add_argument("--inputs", metavar="FILE|random",
                    help="text file, one sentence per line (tokenized with the model's tokenizer); "
                         "'random' for random tokens. Default: the bundled sentences for MiniLM, "
                         "else the model's own example inputs (random tokens for the tiny models)")
-    p.add_argument("--batch-size", type=int, default=32, help="sentences per batch (default 32)")
-    p.add_argument("--max-samples", type=int, default=256, help="sentences used at most (default 256)")
+    p.add_argument("--batch-size", type=_positive_int, default=32,
+                   help="sentences per batch (default 32)")
+    p.add_argument("--max-samples", type=_positive_int, default=256,
+                   help="sentences used at most (default 256)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     p.add_argument("--dtype", choices=tuple(DTYPES),
                    help="dtype of the quantized runs (default: float16 on cuda, float32 on cpu); "
@@ -68,6 +94,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _evaluator(args, *, fp_capture: bool) -> Evaluator:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise QattnError("--device cuda: this machine has no CUDA device (use --device cpu)")
     with step(f"loading {args.model} and its inputs"):
         inputs = load_inputs(args.model, args.inputs, batch_size=args.batch_size,
                              max_samples=args.max_samples)
@@ -97,6 +125,7 @@ def _header(ev: Evaluator, args) -> dict:
 
 def _write_json(path: str | None, payload: dict) -> None:
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2, default=str))
         print(f"wrote {path}")
 
@@ -162,8 +191,10 @@ def _parse_presets(text: str) -> list[str]:
 
 
 def _static_policy_calibrations(policy) -> list[str]:
+    """The calibration files a policy's static fmha_int8 options name, resolved as the
+    rewrite resolves them (a relative path: next to the policy file first)."""
     opts = [policy.default_options] + [r.options for r in policy.rules]
-    return sorted({o.calibration for o in opts
+    return sorted({str(resolve_calibration_path(o.calibration, policy.source)) for o in opts
                    if getattr(o, "scales", None) == "static" and o.calibration})
 
 
@@ -231,7 +262,7 @@ def cmd_calibrate(args) -> int:
                                 samples=ev.inputs.num_samples())
     out = save_scales(payload, args.output)
     print(f"\nstatic α (amax over {payload['samples']} samples) and TurboAttention kv-head "
-          f"priorities (gap × std of channel gaps, K + V) per site:\n")
+          f"priorities (gap × std of channel gaps, K × V) per site:\n")
     print(format_scales(payload))
     print(f"\nwrote {out} ({len(payload['sites'])} sites)")
     report = {**_header(ev, args), "scales": str(out), "sites": payload["sites"]}
@@ -265,6 +296,7 @@ def cmd_tune(args) -> int:
             measured = measure_ranking(ev, seq_len=seq_len)
         ranking, source = measured["ranking"], f"measured on {measured['device']} {where}"
         ranking_path = Path(args.output).with_suffix(".ranking.json")
+        ranking_path.parent.mkdir(parents=True, exist_ok=True)
         ranking_path.write_text(json.dumps(measured, indent=2))
         print(f"wrote {ranking_path}: {measured['times_ms']}")
     elif args.ranking:
@@ -276,6 +308,7 @@ def cmd_tune(args) -> int:
     with step("tuning"):
         result = tune(ev, args.budget, ranking=ranking, ranking_source=source,
                       calibration=args.calibration, max_rounds=args.max_rounds, log=print)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(result.policy_text)
     print(f"\nwrote {args.output}\n")
     width = max(len(c.fqn or "(top level)") for c in result.choices)
@@ -339,13 +372,13 @@ def add_subcommands(subparsers) -> None:
     tn.add_argument("--budget", type=float, required=True,
                     help="minimum cosine similarity, per site and end to end (e.g. 0.999)")
     tn.add_argument("-o", "--output", required=True, metavar="policy.yaml", help="policy to write")
-    tn.add_argument("--ranking", metavar="FILE|measure[:SEQ]",
+    tn.add_argument("--ranking", metavar="FILE|measure[:SEQ]", type=_ranking_spec,
                     help="speed ranking: JSON file (list fastest first, or preset -> ms), or "
                          "'measure' to time every preset on this CUDA device on the captured "
                          "inputs, 'measure:SEQ' on random inputs of SEQ tokens with each site's "
                          "heads and head dim. Default: " + " > ".join(DEFAULT_RANKING))
     tn.add_argument("--calibration", metavar="scales.pt",
                     help="consider fmha_int8 with these static α (instead of dynamic)")
-    tn.add_argument("--max-rounds", type=int, help="verification rounds at most")
+    tn.add_argument("--max-rounds", type=_positive_int, help="verification rounds at most")
     tn.add_argument("--png", metavar="PATH", help="PNG plot of the tuned policy's error per site")
     tn.set_defaults(func=cmd_tune)

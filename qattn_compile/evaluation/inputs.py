@@ -25,7 +25,7 @@ import torch
 
 from ..errors import QattnError
 from ..debug.specs import load_spec
-from ..models import MINILM, ModelBundle, bundled_sentences
+from ..models import MINILM, ModelBundle, bundled_sentences, move_tensors
 
 RANDOM = "random"
 BUNDLED = "bundled"
@@ -52,12 +52,12 @@ class EvalInputs:
     def kind(self) -> str:
         return self.bundle.kind
 
-    def to(self, device: torch.device | str) -> "EvalInputs":
-        """Move the model and every batch to ``device`` (in place; returns self)."""
-        self.bundle.model.to(device)
-        self.bundle.kwargs = _move(self.bundle.kwargs, device)
-        self.bundle.args = tuple(a.to(device) if torch.is_tensor(a) else a for a in self.bundle.args)
-        self.batches = [None if b is None else _move(b, device) for b in self.batches]
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "EvalInputs":
+        """Move the model and every batch to ``device`` (in place; returns self); with
+        ``dtype``, floating-point weights and inputs are cast to it
+        (:meth:`~qattn_compile.models.ModelBundle.to`)."""
+        self.bundle.to(device, dtype)
+        self.batches = [None if b is None else move_tensors(b, device, dtype) for b in self.batches]
         return self
 
     def run(self, model=None) -> list[torch.Tensor]:
@@ -86,10 +86,6 @@ class EvalInputs:
                 first = self.bundle.args[0]
             total += int(first.shape[0]) if torch.is_tensor(first) and first.dim() else 1
         return total
-
-
-def _move(kwargs: dict, device) -> dict:
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
 
 
 def read_sentences(path: str | Path) -> list[str]:

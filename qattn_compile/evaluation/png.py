@@ -227,5 +227,6 @@ def line_chart(
 
 def write_png(path: str | Path, canvas: Canvas) -> Path:
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(canvas.png())
     return path

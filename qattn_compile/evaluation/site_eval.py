@@ -96,13 +96,17 @@ def isolated_site_metrics(
 
     Runs ``torch.ops.qattn.attention`` (reference on CPU, kernels on CUDA) on every recorded
     call, inputs cast to ``dtype``. Returns ``{"cos", "rel_l1", "rmse"}``, or
-    ``{"unsupported": reason}`` when the op cannot serve the site (it would fall back).
+    ``{"unsupported": reason}`` when the op cannot serve the site (it would fall back; also
+    when the full-precision capture could not rewrite the site and so has no inputs).
     """
     from .calibrate import options_for_site
 
     opts = resolve_options(preset, options)
     if preset == "none":
         return site_metrics(record)
+    if not record.calls:  # the capture could not rewrite it: no inputs to run a preset on
+        why = record.report.reason if record.report is not None else "never executed"
+        return {"unsupported": f"not recorded in the full-precision capture ({why})"}
     opts = options_for_site(preset, opts, record.key, policy_source)
     outs = []
     with torch.no_grad():
@@ -241,7 +245,7 @@ class Evaluator:
         self.reference = inputs.run()
         self.fp: CaptureResult | None = capture_run(inputs, None, offload=offload) if fp_capture else None
         if dtype != torch.float32:
-            inputs.bundle.model.to(dtype)
+            inputs.to(self.device, dtype)
 
     @property
     def kind(self) -> str:

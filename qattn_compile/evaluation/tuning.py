@@ -7,18 +7,22 @@ cosine of the logits). ``--budget 0.999`` means both must be >= 0.999.
 
 **Speed ranking** (fastest first): :data:`DEFAULT_RANKING`, or a JSON file measured on the
 device (``--ranking``; :func:`load_ranking` reads it, :func:`measure_ranking` writes one on
-CUDA). The default is derived from DESIGN.md §6 (H100) rather than bit widths:
+CUDA). The default is this package's kernels as measured on the H100 (``benchmarks/
+attention.py``, B=4, H=32, N=16K, quantizers included; ``benchmarks/RESULTS.md``, session
+28), TOPS at D=128 / D=64 causal, and the 32K Llama prefill at D=64:
 
-1. ``fp8`` — FA3-style FP8 runs at 890–1008 TOPS on H100 (published), with no pre-pass.
-2. ``sage2_8b`` — 880–900 TOPS (published); smoothing adds a K-mean pass and ΔS per tile.
-3. ``sage2_4b`` — H100 has no INT4 tensor cores: packed INT4 is unpacked into the INT8 dot,
-   so it can only match ``sage2_8b`` minus the unpacking (it wins on GPUs with INT4 MMA:
-   put it first in a measured ranking there).
-4. ``int_flash`` — INT8 for both GEMMs; INT8 P needs float->int conversions on the exp pipe,
-   and the published Triton implementation is the slowest of §6's table.
-5. ``fmha_int8`` — UINT8 P has no Triton dot: P−128 plus a 128·colsum(V) correction.
-6. ``turbo`` — the SAS polynomial exp costs ~8 issue slots vs 1 where exp is the bottleneck.
-7. ``flash`` — bf16/fp16 baseline.
+1. ``fp8`` — 822 / 574 (FP8 for both GEMMs).
+2. ``int_flash`` — 770 / 452; the fastest 8-bit preset in the compiled prefill (128 ms
+   against sage2_8b's 133).
+3. ``sage2_8b`` — 715 / 462 (ΔS adds a term per score).
+4. ``fmha_int8`` — 647 / 420 (UINT8 P has no Triton dot: P−128 plus a 128·colsum(V)
+   correction).
+5. ``flash`` — 490 / 447, 16-bit and nearly exact: the presets below are slower and less
+   accurate on the H100, so ``tune`` reaches them only with a measured ranking that puts
+   them first.
+6. ``sage2_4b`` — 379 / 294: the H100 has no INT4 tensor cores, so packed INT4 is unpacked
+   into the INT8 dot (it wins on GPUs with INT4 MMA: measure a ranking there).
+7. ``turbo`` — 373 / 219: the SAS polynomial exp costs ~8 issue slots against one.
 
 **Algorithm.**
 
@@ -55,9 +59,9 @@ from ..presets import PRESET_NAMES, QUANTIZED_PRESETS
 from .calibrate import static_options
 from .site_eval import Evaluator, RunResult, format_e2e, isolated_site_metrics
 
-DEFAULT_RANKING: tuple[str, ...] = ("fp8", "sage2_8b", "sage2_4b", "int_flash", "fmha_int8", "turbo", "flash")
-"""Presets fastest first (module docstring: why, from DESIGN.md §6)."""
-DEFAULT_RANKING_SOURCE = "documented default (DESIGN.md §6, H100)"
+DEFAULT_RANKING: tuple[str, ...] = ("fp8", "int_flash", "sage2_8b", "fmha_int8", "flash", "sage2_4b", "turbo")
+"""Presets fastest first (module docstring: measured on the H100)."""
+DEFAULT_RANKING_SOURCE = "default: measured on the H100 (benchmarks/RESULTS.md, session 28)"
 LEAVE_ALONE = "none"
 COS_SLACK = 1e-12
 """Float64 rounding allowance when a cosine is compared with the budget (so that an output
@@ -119,7 +123,7 @@ def measure_ranking(
 
     dtype = evaluator.dtype
     cases = []
-    for rec in evaluator.fp.sites:
+    for rec in (r for r in evaluator.fp.sites if r.calls):  # fallback sites have no inputs
         c = rec.calls[0]
         if seq_len is None:
             mask = c.attn_mask
@@ -268,10 +272,11 @@ def policy_dict(choices: list[SiteChoice]) -> dict:
 
 
 def fqn_pattern(fqn: str) -> str:
-    """A policy pattern matching exactly ``fqn`` (a glob if it has no glob characters)."""
+    """A policy pattern matching exactly ``fqn`` (a glob if it has no glob characters; the
+    top-level module's empty FQN as the regex ``^$``)."""
     if fqn and not re.search(r"[*?\[\]]", fqn) and not fqn.startswith("re:"):
         return fqn
-    return "re:" + re.escape(fqn)
+    return "re:" + (re.escape(fqn) if fqn else "^$")
 
 
 def tune(
@@ -289,6 +294,8 @@ def tune(
         raise QattnError(f"--budget is a minimum cosine similarity in (0, 1], got {budget}")
     if evaluator.fp is None:
         raise QattnError("tune needs an Evaluator made with fp_capture=True")
+    if max_rounds is not None and max_rounds < 1:
+        raise QattnError(f"--max-rounds must be at least 1, got {max_rounds}")
     ranking = list(ranking or DEFAULT_RANKING)
     floor = evaluator.dtype_floor()
     if floor is not None and not meets(floor.e2e["cos"], budget):
@@ -306,7 +313,7 @@ def tune(
                                   0, rejected, ranking))
         log(f"  {fqn or '(top level)'}: start at {choices[-1].preset}")
     rounds: list[dict] = []
-    limit = max_rounds or sum(len(c.ladder) + 1 for c in choices) + 1
+    limit = max_rounds if max_rounds is not None else sum(len(c.ladder) + 1 for c in choices) + 1
     run = None
     met = False
     for round_no in range(limit):

@@ -142,7 +142,11 @@ class FlashQLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ writing
 
     def append(self, key_states: Tensor, value_states: Tensor) -> bool:
-        """Store ``[B, H, T, D]`` K/V; returns True if this was the prefill (first update)."""
+        """Store ``[B, H, T, D]`` K/V; returns True if this was the prefill (first update).
+
+        More tokens than ``max_cache_len`` holds raise in eager calls (a device sync per
+        call); under ``torch.compile`` the length lives on the device and is not checked, so
+        size the cache for the prompt plus the tokens to generate."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         tokens = key_states.shape[-2]
@@ -150,6 +154,12 @@ class FlashQLayer(CacheLayerMixin):
             self._prefill(torch.stack((key_states, value_states)))
             self.prefilled = True
             return True
+        if not torch.compiler.is_compiling() and int(self.length) + tokens > self.max_cache_len:
+            raise ValueError(
+                f"FlashQ cache: {int(self.length)} stored + {tokens} new tokens exceed "
+                f"max_cache_len={self.max_cache_len}; make the cache for the prompt plus the "
+                "tokens to generate"
+            )
         if tokens <= MAX_STEP_TOKENS:
             for i in range(tokens):
                 self._append_token(torch.stack((key_states[:, :, i : i + 1], value_states[:, :, i : i + 1])))
@@ -195,9 +205,7 @@ class FlashQLayer(CacheLayerMixin):
                 f"FlashQ cache: an update of {kv.shape[-2]} tokens after the prefill under "
                 f"torch.compile (at most {MAX_STEP_TOKENS}); run chunked prefill eagerly"
             )
-        tokens, start = kv.shape[-2], int(self.length)
-        if start + tokens > self.max_cache_len:
-            raise ValueError(f"{start} + {tokens} tokens exceed max_cache_len={self.max_cache_len}")
+        tokens, start = kv.shape[-2], int(self.length)  # the capacity was checked by append
         head = min(tokens, -start % self.buffer_tokens)
         whole = (tokens - head) // self.buffer_tokens * self.buffer_tokens
         for i in range(head):
@@ -342,11 +350,20 @@ class FlashQCache(Cache):
         model = getattr(model, "_orig_mod", model)
         config = model.config.get_text_config(decoder=True)
         settings = [policy.kv_cache.defaults()] * config.num_hidden_layers
+        names = [f"layer {i}" for i in range(config.num_hidden_layers)]
         for fqn, module in model.named_modules():
             index = getattr(module, "layer_idx", None)
             if isinstance(index, int) and "attention" in type(module).__name__.lower():
                 settings[index] = policy.kv_cache.for_layer(fqn)
+                names[index] = f"{fqn} (layer {index})"
                 log.info("kv cache %s (layer %d): %s", fqn, index, settings[index])
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        for name, setting in zip(names, settings):
+            if setting.format == "flashq" and setting.int2_heads > kv_heads:
+                raise PolicyError(
+                    f"policy {policy.source}: kv_cache gives {name} int2_heads="
+                    f"{setting.int2_heads}, but the model has {kv_heads} kv heads per layer"
+                )
         return cls(model.config, max_cache_len, settings)
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
