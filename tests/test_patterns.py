@@ -109,7 +109,8 @@ COMBINATIONS = [
     Chain(qk="bmm", pv="bmm", key="permute", scale="q / c", mask="masked_fill -inf"),
     Chain(qk="bmm", pv="bmm", key="pre-transposed", scale="none", mask="bool+additive", softmax="Tensor.softmax"),
     Chain(qk="@", pv="@", key="mT", scale="scores / c", mask="where", softmax=".float()", gqa="repeat_kv"),
-    Chain(gqa="repeat_interleave", mask="masked_fill min", scale="per-head", scale_after_mask=True),
+    Chain(gqa="repeat_interleave", mask="masked_fill min", scale="scores / full", scale_after_mask=True),
+    Chain(gqa="repeat_interleave", mask="masked_fill min", scale="per-head"),
     Chain(scale="q and k", mask="padding", dropout="nn.Dropout(eval)", softmax="nn.Softmax", gqa="repeat_kv"),
 ]
 
@@ -779,6 +780,112 @@ def test_unproven_causal_comparison_keeps_the_full_mask(module):
     assert is_causal is False and tuple(mask.meta["example_value"].shape)[-2:] == (L, L)
     (report,) = rec.reports
     assert not report.causal_fast_path and not report.causal_from_mask and "causal" not in report.mask_kind
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+class BuiltMask(nn.Module):
+    """SDPA with the mask ``build(L)`` returns (an adversarial index computation)."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def forward(self, q, k, v, keep, bias):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.build(q.shape[-2]))
+
+
+def _ones_changed_in_place(n):
+    i, keep = torch.arange(n), torch.ones(n, n, dtype=torch.bool)
+    keep[:, 0] = False  # no longer all ones
+    return (i[None, :] <= i[:, None]) & keep
+
+
+def _arange_changed_through_itself(n):
+    idx = torch.arange(n)
+    kv = idx[None, :]
+    idx += 1  # kv is a view: its values move too
+    return kv <= torch.arange(n)[:, None]
+
+
+def _shift_changed_in_place(n):
+    shift = torch.tensor(0)
+    shift.add_(3)
+    i = torch.arange(n)
+    return i[None, :] <= (i + shift)[:, None]
+
+
+def _packed_term_not_constant(n):
+    idx, pos = torch.arange(n), torch.arange(n).unsqueeze(0)
+    seq = (torch.diff(pos, prepend=pos[:, :1].sub(1, alpha=2), dim=-1) != 1).cumsum(0)
+    rows = torch.arange(1)[:, None, None, None]
+    same = seq[rows, idx[None, None, :, None]] == seq[rows, idx[None, None, None, :]]
+    return same & (idx[None, None, None, :] <= idx[None, None, :, None])
+
+
+@pytest.mark.parametrize("build", [
+    _ones_changed_in_place,
+    _arange_changed_through_itself,
+    _shift_changed_in_place,
+    lambda n: (torch.arange(n) + 5)[None, :] <= (torch.arange(n) + torch.full((), 5, dtype=torch.bool))[:, None],
+    lambda n: (torch.arange(n) - 1)[None, :] <= (torch.arange(n) + torch.full((), -1, dtype=torch.uint8))[:, None],
+    _packed_term_not_constant,
+    lambda n: torch.arange(n // 2).view(torch.int32)[None, :] <= torch.arange(n // 2).view(torch.int32)[:, None],
+    lambda n: ((torch.arange(n, dtype=torch.int32) + (2**31 - 4))[None, :]
+               <= (torch.arange(n, dtype=torch.int32) + (2**31 - 4))[:, None]),
+    lambda n: (torch.arange(2**31 - 5, 2**31 - 5 + n).to(torch.int32)[None, :]
+               <= torch.arange(2**31 - 5, 2**31 - 5 + n).to(torch.int32)[:, None]),
+], ids=["ones changed in place", "arange changed through a view", "0-d shift changed in place",
+        "bool 0-d shift", "uint8 0-d shift", "packed term with alpha and cumsum over dim 0",
+        "arange viewed as int32", "int32 arange that wraps", "int64 arange cast to int32 wraps"])
+def test_masks_that_only_look_causal_are_kept(build):
+    """Index computations whose recorded values are not what the mask uses (in-place
+    changes, a 0-d constant's own dtype, integer wrap-around, a view to another dtype, a
+    packed-sequence term that is not constant) must not be proven causal or always true
+    (each of these was, before: the compiled output differed by 2.4-3.9)."""
+    expected, got, rec = run_compiled(BuiltMask(build), *attention_inputs())
+    (report,) = rec.reports
+    if build in (_packed_term_not_constant, _ones_changed_in_place):
+        # their causal comparison is real; the term beside it is kept, not dropped as always true
+        assert report.mask_kind in ("causal+packed", "causal+bool"), report.mask_kind
+    else:
+        assert not report.causal_from_mask and "causal" not in report.mask_kind, report.mask_kind
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+class ScaledAfterMasking(nn.Module):
+    """``softmax(mask(q·kᵀ) · c)·v`` with the mask a ``where``/``masked_fill`` and a scale after it."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.temperature = nn.Parameter(torch.full((1, H, 1, 1), 0.5), requires_grad=False)
+
+    def forward(self, q, k, v, keep, bias):
+        s, keep = q @ k.transpose(-1, -2), keep[:, :, :1]
+        if self.form == "zero":
+            return torch.softmax(torch.where(keep, s, torch.finfo(s.dtype).min) * 0.0, -1) @ v
+        if self.form == "negative":
+            return torch.softmax(torch.where(keep, s, -1e9) * -1.0, -1) @ v
+        if self.form == "small":
+            return torch.softmax(s.masked_fill(~keep, -1e4) * 1e-3, -1) @ v
+        if self.form == "run-time":  # per-head values: their sign is not known when compiling
+            return torch.softmax(s.masked_fill(~keep, -1e9) * self.temperature, -1) @ v
+        return torch.softmax(s.masked_fill(~keep, -1e9) / 8, -1) @ v  # -1.25e8 still masks
+
+
+@pytest.mark.parametrize("form, status", [
+    ("zero", FALLBACK), ("negative", FALLBACK), ("small", FALLBACK), ("run-time", FALLBACK),
+    ("divided", REWRITTEN)])
+def test_scale_after_masking_must_keep_the_mask(form, status):
+    """A factor after a masking ``where``/``masked_fill`` that is zero, negative, or lifts its
+    fill above -1e4 no longer masks those keys, which the op would mask fully: the site
+    falls back (it was served, and differed by up to 2.75), as with a run-time factor whose
+    sign is unknown. A constant factor that keeps the fill below -1e4 is served."""
+    expected, got, rec = run_compiled(ScaledAfterMasking(form), *attention_inputs())
+    (report,) = rec.reports
+    assert report.status == status, report.reason
+    if status == FALLBACK:
+        assert "after a masking" in report.reason
     torch.testing.assert_close(got, expected, **EXACT)
 
 

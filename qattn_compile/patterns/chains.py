@@ -33,6 +33,7 @@ from .nodes import (
     CAST,
     DIV,
     DROPOUT,
+    MASK_FILL_MAX,
     MASKED_FILL,
     MATMUL,
     MUL,
@@ -141,7 +142,7 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, Factor | KeepTerm | fx.Node | No
             return unsupported
         if not is_minus_inf_like(value):
             return f"masked_fill value {arg(node, 2, 'value')!r} does not mask (only -inf or <= -1e4 do)"
-        return node.args[0], KeepTerm(mask, negate=True)
+        return node.args[0], KeepTerm(mask, negate=True, fill=value)
     if WHERE(node) and len(node.args) == 3:
         cond, then, other = node.args
         if node.op == "call_method":  # scores.where(cond, fill)
@@ -150,7 +151,7 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, Factor | KeepTerm | fx.Node | No
         fill = other if scores is then else then
         if scores is None or not _is_bool(cond) or not is_minus_inf_like(constant(fill)):
             return f"`where` {describe(node)} is not a mask (the other branch must be -inf-like)"
-        return scores, KeepTerm(cond, negate=scores is other)
+        return scores, KeepTerm(cond, negate=scores is other, fill=constant(fill))
     return unsupported
 
 
@@ -269,19 +270,33 @@ def _grad_refusal(nodes: list) -> str | None:
     return None
 
 
-def _mask_and_scale(steps: list) -> tuple[MaskSpec, list[Factor]]:
+def _mask_and_scale(steps: list) -> tuple[MaskSpec, list[Factor], str | None]:
     """The mask terms and scale factors of a walk's steps (graph order): every additive
-    term is multiplied by the factors applied after it."""
-    spec, factors = MaskSpec(), []
+    term is multiplied by the factors applied after it. The third value refuses a scale
+    applied after a keep term (``where``/``masked_fill``) that could undo its masking: not a
+    positive constant, or one that lifts a finite fill above ``MASK_FILL_MAX`` (the op masks
+    those keys fully whatever follows)."""
+    spec, factors, refusal = MaskSpec(), [], None
+    fills: list[float] = []  # each keep term's fill, times the factors after it
     for step in steps:
         if isinstance(step, Factor):
             factors.append(step)
             spec.additive = [AdditiveTerm(t.node, (*t.factors, step)) for t in spec.additive]
+            if fills and (step.number is None or step.number <= 0):
+                shown = step.number if step.number is not None else "a run-time value"
+                refusal = refusal or f"scores scaled by {shown} after a masking `where`/`masked_fill`"
+            elif fills:
+                fills = [fill * step.number for fill in fills]
         elif isinstance(step, KeepTerm):
             spec.keep.append(step)
+            fills.append(step.fill)
         else:
             spec.additive.append(AdditiveTerm(step))
-    return spec, factors
+    weakest = max(fills, default=float("-inf"))
+    if refusal is None and weakest > MASK_FILL_MAX:
+        refusal = (f"scores scaled after a masking `where`/`masked_fill`: its fill becomes "
+                   f"{weakest:g}, which no longer masks (only values <= {MASK_FILL_MAX:g} do)")
+    return spec, factors, refusal
 
 
 def chain_site(softmax: fx.Node) -> AttentionSite | None:
@@ -310,12 +325,13 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
         k_transposed, k_factors, k_stripped = False, k_factors + more_factors, [*k_stripped, kt, *more_stripped]
     v = _operands(pv)[1]
     chain = [*q_stripped, *k_stripped, qk, *walk.nodes, softmax, *prob_nodes, pv]
-    mask, factors = _mask_and_scale(walk.steps)
+    mask, factors, scale_refusal = _mask_and_scale(walk.steps)
     factors = [*q_factors, *k_factors, *factors]
     runtime = runtime_factors(factors)
 
     refusal = (
         refusal
+        or scale_refusal
         or _reuse_refusal([qk, *walk.nodes], [softmax, *prob_nodes], pv)
         or _shape_refusal(q, k, v, k_transposed)
         or _grad_refusal([q, k, v, *mask.nodes(), *(f.value for f in runtime)])

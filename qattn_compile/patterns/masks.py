@@ -37,6 +37,7 @@ are never split: their masked entries are ``finfo.min``, not ``-inf``, which dif
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -86,6 +87,8 @@ class KeepTerm:
 
     node: fx.Node
     negate: bool = False
+    fill: float = float("-inf")
+    """What the masked scores are set to in the graph (``-inf``, or a finite value ≤ -1e4)."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,8 @@ class _Arange:
 def _int_constant(value) -> int | None:
     """``value`` as an int when it is a compile-time integer (a Python int, or a 0-d
     ``torch.tensor``/``torch.full`` node of one), else ``None``."""
-    if isinstance(value, fx.Node) and shape_of(value) != ():
+    if isinstance(value, fx.Node) and (shape_of(value) != ()
+                                       or getattr(tensor_value(value), "dtype", None) not in _INDEX_DTYPES):
         return None
     number = constant(value)
     return int(number) if number is not None and number == int(number) else None
@@ -225,10 +229,29 @@ def _arange_of(node) -> _Arange | None:
     traced back through ``+``/``-`` of a constant, casts, copies, ``expand``, ``repeat`` of
     the other dims, gathers ``table[batch_idx, idx]`` (:func:`_gathered`), and — while the
     tensor has one wide dim — ``getitem`` with ``None``/``:``/``...``, ``unsqueeze`` and
-    ``view``/``reshape``; ``None`` when it cannot be proven."""
+    ``view``/``reshape`` (not a ``view`` to another dtype); ``None`` when it cannot be
+    proven, or when its values could leave the dtype's range (an int32 that wraps around)."""
+    index = _arange_shape_of(node)
+    if index is None:
+        return None
+    info, size = torch.iinfo(tensor_value(node).dtype), shape_of(node)[index.dim]
+    length = size if isinstance(size, int) else MAX_SYMBOLIC_LENGTH
+    return index if info.min <= index.offset and index.offset + length - 1 <= info.max else None
+
+
+MAX_SYMBOLIC_LENGTH = 1 << 30
+"""The longest a symbolic (dynamic) index length is assumed to be when proving that an
+index stays within its dtype's range (attention over 2^30 tokens does not fit in memory)."""
+
+
+def _arange_shape_of(node) -> _Arange | None:
+    """:func:`_arange_of` without the final range check (each recursion checks its own)."""
     val = tensor_value(node)
     if val is None or val.dtype not in _INDEX_DTYPES:
         return None
+    source = tensor_value(node.args[0]) if node.args else None
+    if RESHAPE(node) and getattr(source, "dtype", None) != val.dtype:
+        return None  # x.view(dtype): a reinterpretation of the bits, not a reshape
     if _ARANGE(node):
         return _arange_call(node)
     if ADD(node) or _SUB(node):
@@ -247,6 +270,71 @@ def _arange_of(node) -> _Arange | None:
     return None
 
 
+_IN_PLACE_FUNCTIONS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul,
+})
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` changes a tensor in place: ``x.add_(...)``, ``x[i] = v``, ``x += 1``,
+    a ``torch`` function ending in ``_`` or with an ``out=`` argument."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", "")
+    torch_in_place = (name.endswith("_") and not name.endswith("__")
+                      and getattr(operator, name, None) is not node.target)  # not operator.and_
+    return node.target in _IN_PLACE_FUNCTIONS or "out" in node.kwargs or torch_in_place
+
+
+_mutated_cache: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, frozenset]]" = weakref.WeakKeyDictionary()
+
+
+def _mutated_nodes(graph: fx.Graph) -> frozenset:
+    """Nodes whose tensor a later (or earlier) in-place op may change, with every node they
+    may be a view of: the mutated tensor and its chain of first arguments (a view's base;
+    conservatively any op's). A dynamo graph is not functionalized when qattn rewrites it,
+    so a node's recorded value is not its value at every use."""
+    count = len(graph.nodes)
+    hit = _mutated_cache.get(graph)
+    if hit is not None and hit[0] == count:
+        return hit[1]
+    found = set()
+    for node in graph.nodes:
+        if not _mutates(node):
+            continue
+        target = node.kwargs.get("out", node.args[0] if node.args else None)
+        while isinstance(target, fx.Node) and target not in found:
+            found.add(target)
+            target = target.args[0] if target.op in ("call_function", "call_method") and target.args else None
+    result = frozenset(found)
+    _mutated_cache[graph] = (count, result)
+    return result
+
+
+def _reads_mutated(node) -> bool:
+    """Whether ``node`` or anything it is computed from is changed in place somewhere in
+    the graph (:func:`_mutated_nodes`): a proof from its recorded values would not hold."""
+    if not isinstance(node, fx.Node):
+        return False
+    mutated = _mutated_nodes(node.graph)
+    if not mutated:
+        return False
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in mutated:
+            return True
+        for parent in current.all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return False
+
+
 def proven_causal(node) -> bool:
     """Whether ``node`` is a top-left causal comparison, ``kv_idx <= q_idx`` (or
     ``q_idx >= kv_idx``), proven from where the indices come from: both are ``torch.arange``
@@ -254,6 +342,8 @@ def proven_causal(node) -> bool:
     axis (dim -2) and ``kv_idx`` along the key axis (dim -1), over equal lengths (Lq = Lkv).
     Then key ``j`` is visible to query ``i`` iff ``j <= i``: exactly ``is_causal``."""
     if not (isinstance(node, fx.Node) and len(node.args) == 2 and not node.kwargs):
+        return False
+    if _reads_mutated(node):
         return False
     if _LE(node):
         kv, q = node.args
@@ -411,7 +501,8 @@ def _keep_leaves(node) -> list:
 
 def _first_minus_one(node, positions) -> bool:
     """Whether ``node`` is ``positions[:, ..., :1] - 1`` (each row's first entry, minus 1)."""
-    if not (_SUB(node) and len(node.args) == 2 and _int_constant(node.args[1]) == 1):
+    if not (_SUB(node) and len(node.args) == 2 and not node.kwargs  # no `alpha`
+            and _int_constant(node.args[1]) == 1):
         return False
     first = node.args[0]
     if not (GETITEM(first) and first.args[0] is positions):
@@ -453,7 +544,7 @@ def single_sequence(leaf) -> bool:
     if not (GETITEM(a) and GETITEM(b) and a.args[0] is b.args[0]):
         return False
     seq = a.args[0]
-    if not (_CUMSUM(seq) and seq.args):
+    if not (_CUMSUM(seq) and seq.args and _cumsum_dim(seq) in (-1, len(shape_of(seq) or ()) - 1)):
         return False
     steps = seq.args[0]
     return (
@@ -462,11 +553,23 @@ def single_sequence(leaf) -> bool:
     )
 
 
+def _cumsum_dim(node: fx.Node):
+    """The ``dim`` of a ``cumsum`` node (``torch.cumsum(x, dim)`` or ``x.cumsum(dim)``),
+    ``None`` when other arguments (``dtype``) are given too or it is missing."""
+    if set(node.kwargs) - {"dim"} or len(node.args) > 2:
+        return None
+    return node.args[1] if len(node.args) == 2 else node.kwargs.get("dim")
+
+
 def _always_true(leaf) -> bool:
     """Whether a keep leaf is True everywhere: ``True``, a ``ones`` tensor, ``idx >= 0``
     with ``idx`` a ``torch.arange`` from a non-negative offset, or a packed-sequence term
     over one sequence (:func:`single_sequence`)."""
-    if leaf is True or _ONES(leaf) or single_sequence(leaf):
+    if leaf is True:
+        return True
+    if _reads_mutated(leaf):
+        return False
+    if _ONES(leaf) or single_sequence(leaf):
         return True
     if not (_GE(leaf) and len(leaf.args) == 2 and _int_constant(leaf.args[1]) == 0):
         return False

@@ -100,7 +100,11 @@ def constant(value: Any) -> float | None:
         return 1.0
     if CONSTANT_TENSOR(value):
         fill = arg(value, 1, "fill_value") if value.target is torch.full else arg(value, 0, "data")
-        return constant(fill)
+        number, tensor = constant(fill), tensor_value(value)
+        if number is None or tensor is None:
+            return number
+        # the value the tensor holds: a bool or uint8 tensor of 5 or -1 holds 1 or 255
+        return float(torch.tensor(number).to(tensor.dtype).item())
     return None
 
 
