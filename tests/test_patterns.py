@@ -852,6 +852,26 @@ def test_masks_that_only_look_causal_are_kept(build):
     torch.testing.assert_close(got, expected, **EXACT)
 
 
+def _causal(n):
+    i = torch.arange(n)
+    return i[None, :] <= i[:, None]
+
+
+@pytest.mark.parametrize("build, fast", [
+    (lambda n: torch.where(_causal(n), 0.0, -1e4), True),
+    (lambda n: torch.where(_causal(n), 0.0, float("-inf")) + (~_causal(n)).float() * 2e4, True),
+    (lambda n: torch.where(_causal(n), 0.0, -1e4) + (~_causal(n)).float() * 2e4, False),
+], ids=["finite fill alone", "-inf fill plus a bias", "finite fill undone by a bias"])
+def test_causal_fast_path_claims_only_what_the_mask_guarantees(build, fast):
+    """``causal_fast_path`` (every key after its query masked) holds for a causal ``where``
+    with a -inf fill whatever is added, or a finite fill that is the whole mask; a finite
+    fill plus another additive part may be undone (here +2e4 on a -1e4 fill)."""
+    expected, got, rec = run_compiled(BuiltMask(build), *attention_inputs())
+    (report,) = rec.reports
+    assert report.causal_fast_path is fast
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
 class ScaledAfterMasking(nn.Module):
     """``softmax(mask(q·kᵀ) · c)·v`` with the mask a ``where``/``masked_fill`` and a scale after it."""
 

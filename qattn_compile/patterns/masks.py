@@ -465,15 +465,25 @@ def mask_kind(spec: MaskSpec, is_causal: bool) -> str:
 def causal_fast_path(spec: MaskSpec) -> bool:
     """Whether the mask provably masks every key after its query: a proven causal comparison
     (:func:`proven_causal`) ANDed into a keep term or into the bool mask of an additive
-    term."""
+    ``where(m, x, fill)``, whose fill is the whole additive mask or is beyond any bias added
+    to it (``-inf``, or float32/bfloat16's ``finfo.min`` as transformers fills: at most
+    :data:`HUGE_FILL`); a fill such as -1e4 plus another additive part (``+2e4`` where the
+    fill is) may no longer mask."""
     keep = any(_has_causal(t.node) for t in spec.keep if not t.negate)
+    parts = [part for t in spec.additive for part in _additive_parts(t.node)]
     additive = any(
-        _has_causal(masked[0])
-        for t in spec.additive
-        for masked in map(_where_mask, _additive_parts(t.node))
-        if masked is not None
+        _has_causal(part.args[0])
+        and (len(parts) == 1 and not spec.additive[0].factors
+             or constant(part.args[2]) <= HUGE_FILL)
+        for part in parts
+        if _where_mask(part) is not None
     )
     return keep or additive
+
+
+HUGE_FILL = -1e30
+"""A mask fill no realistic additive bias undoes (float32's and bfloat16's ``finfo.min`` are
+-3.4e38)."""
 
 
 def _is_bool_node(node) -> bool:
