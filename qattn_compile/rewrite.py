@@ -32,7 +32,7 @@ from torch import fx
 
 from . import ops
 from .errors import UnsupportedSiteError
-from .evaluation.calibrate import options_for_site, site_key
+from .evaluation.calibrate import options_for_site, site_keys
 from .patterns import AttentionSite, find_attention_sites
 from .patterns.masks import MaskSpec, split_causal
 from .patterns.nodes import example_value, shape_of, tensor_value
@@ -217,10 +217,9 @@ def rewrite_attention(
     Raises :class:`UnsupportedSiteError` for a site that cannot be served when the policy
     says ``on_unsupported: error`` (before the graph is modified).
     """
-    reports, chosen, calls = [], [], {}
-    for site in find_attention_sites(gm):
-        occurrence = calls.get(site.fqn, 0)  # this call's index among its module's calls
-        calls[site.fqn] = occurrence + 1
+    reports, chosen = [], []
+    sites = find_attention_sites(gm)
+    for site, key in zip(sites, site_keys([s.fqn for s in sites])):
         decision = policy.decide(site.fqn, site.module_class)
         if autotune is not None and isinstance(decision.options, KernelOptions):
             options = decision.options.model_copy(update={"autotune": autotune})
@@ -229,8 +228,7 @@ def rewrite_attention(
         # keys them) before the support check, which needs them; a site the finder refused
         # falls back whatever its options, and calibration never recorded it.
         if site.refusal is None:
-            options = options_for_site(decision.preset, decision.options,
-                                       site_key(site.fqn, occurrence), policy.source)
+            options = options_for_site(decision.preset, decision.options, key, policy.source)
             decision = dataclasses.replace(decision, options=options)
         report = _decide(site, decision, policy, graph_index)
         reports.append(report)

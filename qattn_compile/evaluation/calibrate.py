@@ -192,12 +192,21 @@ def resolve_calibration_path(calibration: str, policy_source: str | None = None)
     return path
 
 
-def site_key(fqn: str, occurrence: int) -> str:
-    """A site's key in a calibration file (and in a capture): the module FQN (``"(top
-    level)"`` when empty), ``fqn#1``, ``fqn#2``... for the later calls of a module whose
-    attention runs more than once in one graph (``occurrence``: 0 for the first)."""
-    base = fqn or "(top level)"
-    return base if occurrence == 0 else f"{base}#{occurrence}"
+def site_keys(fqns: list[str]) -> list[str]:
+    """The keys of one graph's attention sites (module FQNs in graph order) in a calibration
+    file and a capture: the FQN (``"(top level)"`` when empty), then ``fqn#1``, ``fqn#2``...
+    for the later calls of a module whose attention runs more than once in the graph."""
+    keys, calls = [], {}
+    for fqn in fqns:
+        occurrence = calls.get(fqn, 0)
+        calls[fqn] = occurrence + 1
+        base = fqn or TOP_LEVEL
+        keys.append(base if occurrence == 0 else f"{base}#{occurrence}")
+    return keys
+
+
+TOP_LEVEL = "(top level)"
+"""The key of a site whose module is the model itself (empty FQN)."""
 
 
 def options_for_site(
@@ -207,7 +216,7 @@ def options_for_site(
 
     Every other preset, dynamic mode, or options that already carry ``static_scales`` are
     returned unchanged (the same object). Raises :class:`PolicyError` when the calibration
-    file is missing, unreadable, or has no entry for ``key`` (the site's :func:`site_key`:
+    file is missing, unreadable, or has no entry for ``key`` (the site's key, :func:`site_keys`:
     a module's second attention call in one graph has its own α). The rewrite and the
     capture call this per site (``policy_source``: the policy file, for relative paths).
     """
@@ -217,7 +226,7 @@ def options_for_site(
         return options
     path = resolve_calibration_path(options.calibration, policy_source)
     data = load_scales(path)
-    key = key or site_key("", 0)
+    key = key or TOP_LEVEL
     entry = data["sites"].get(key)
     if entry is None:
         known = ", ".join(list(data["sites"])[:6])

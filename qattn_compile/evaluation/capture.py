@@ -48,7 +48,7 @@ from ..policy import Policy, load_policy
 from ..presets import options_from_json
 from ..reference import exact_attention
 from ..report import REWRITTEN, SiteReport
-from .calibrate import site_key
+from .calibrate import options_for_site, site_keys
 
 
 
@@ -191,11 +191,8 @@ class CaptureBackend:
                 f"rewritten sites {[r.fqn for r in rewritten]}"
             )
         token = next(_tokens)
-        keys, seen, nodes = [], {}, iter(op_nodes)
-        for report in reports:
-            occurrence = seen.get(report.fqn, 0)
-            seen[report.fqn] = occurrence + 1
-            key = site_key(report.fqn, occurrence)
+        keys, nodes = [], iter(op_nodes)
+        for report, key in zip(reports, site_keys([r.fqn for r in reports])):
             node = next(nodes) if report.status == REWRITTEN else None
             self._record_for(key, report, node)
             if node is None:
@@ -216,10 +213,8 @@ class CaptureBackend:
 
 
 def _fill_static_scales(node: fx.Node, key: str, policy_source: str) -> None:
-    """Put the calibrated α of the site ``key`` (:func:`~.calibrate.site_key`) into a static
+    """Put the calibrated α of the site ``key`` (:func:`~.calibrate.site_keys`) into a static
     fmha_int8 op node's options JSON."""
-    from .calibrate import options_for_site
-
     preset, text = node.args[6], node.args[7]
     options = options_from_json(preset, text)
     filled = options_for_site(preset, options, key, policy_source)
