@@ -52,9 +52,7 @@ def _site_dtype_device(site: AttentionSite):
 
 def _op_shapes(site: AttentionSite) -> list[tuple]:
     """Shapes of q, k, v as the op receives them."""
-    q, k, v = (shape_of(n) for n in (site.q, site.k, site.v))
-    if site.k_transposed:
-        k = (*k[:-2], k[-1], k[-2])
+    q, k, v = site.op_shapes().values()
     if len(q) == 3:
         q, k, v = ((1, *s) for s in (q, k, v))
     return [q, k, v]
@@ -118,9 +116,15 @@ def _build_mask(emit: _Emitter, spec: MaskSpec) -> fx.Node | None:
     return emit(torch.where, keep, additive, -math.inf)
 
 
+def _permuted(emit: _Emitter, node: fx.Node, dims: tuple[int, ...] | None) -> fx.Node:
+    """``node.permute(dims)``, or ``node`` when ``dims`` is None."""
+    return node if dims is None else emit("permute", node, *dims, method=True)
+
+
 def _build_query(emit: _Emitter, site: AttentionSite) -> fx.Node:
-    """q with the run-time scale factors multiplied in, in q's dtype."""
-    return _cast_like(emit, _scaled(emit, site.q, site.scale_factors), site.q)
+    """q in the op's layout with the run-time scale factors (which are in the scores'
+    layout) multiplied in, in q's dtype."""
+    return _cast_like(emit, _scaled(emit, _permuted(emit, site.q, site.q_dims), site.scale_factors), site.q)
 
 
 def _cast_like(emit: _Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
@@ -175,9 +179,7 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
     """Replace ``site`` by the op with the preset and options of ``decision``."""
     preset = decision.preset
     emit = _Emitter(gm.graph, site.anchor)
-    q, k, v = _build_query(emit, site), site.k, site.v
-    if site.k_transposed:
-        k = emit("transpose", k, -2, -1, method=True)
+    q, k, v = _build_query(emit, site), _permuted(emit, site.k, site.k_dims), _permuted(emit, site.v, site.v_dims)
     spec, causal_from_mask = split_causal(site.mask)
     mask = _build_mask(emit, spec)
     rank3 = len(shape_of(site.q)) == 3
@@ -198,6 +200,7 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
     }
     if rank3:
         out = emit("squeeze", out, 0, method=True)
+    out = _permuted(emit, out, site.out_dims)
     site.anchor.replace_all_uses_with(_cast_like(emit, out, site.anchor))
     _erase_dead(gm.graph, [*site.chain, *site.mask.nodes()], matched=site.chain)
 

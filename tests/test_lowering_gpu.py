@@ -53,6 +53,28 @@ def test_attention_kernels_are_inlined_by_inductor(preset):
     assert compare(out, ref)["cos"] > 0.998
 
 
+class EinsumAttention(nn.Module):
+    """Attention written with einsum on ``[B, L, H, D]`` tensors (the projections' layout)."""
+
+    def forward(self, q, k, v):
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+        return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def test_einsum_attention_in_another_layout_is_inlined():
+    _compat.reset_dynamo()
+    q, k, v = (t.transpose(1, 2) for t in _inputs())
+    k, v = (t.repeat_interleave(2, dim=2) for t in (k, v))
+    be = qattn_compile.backend({"qattn": 1, "default": "int_flash"})
+    compiled = torch.compile(EinsumAttention(), backend=be, fullgraph=True)
+    out, codes = _compat.run_and_get_code(compiled, q, k, v)
+    code = "\n".join(codes)
+    assert [r.status for r in be.site_reports] == ["rewritten"], be.site_reports
+    assert "def attention_kernel(" in code and "torch.ops.qattn" not in code
+    ref = exact_attention(*(t.transpose(1, 2).float() for t in (q, k, v))).transpose(1, 2)
+    assert out.shape == q.shape and compare(out, ref)["cos"] > 0.998
+
+
 def test_inlined_int8_values_keep_the_tma_layout():
     """A length that needs no padding (1024 tokens): the torch-form INT8 V reaches the
     inlined attention kernel as the quantizer kernel lays it out (tokens contiguous), so

@@ -15,11 +15,11 @@ from dataclasses import dataclass, fields, replace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 from qattn_compile import _compat, ops
 from qattn_compile.models import tiny_llama
-from qattn_compile.patterns import find_attention_sites
+from qattn_compile.patterns import einsum, find_attention_sites
 from qattn_compile.patterns.nodes import tensor_value
 from qattn_compile.patterns.site import clean_fqn
 from qattn_compile.policy import load_policy
@@ -270,6 +270,147 @@ def test_chain_in_half_precision_keeps_output_dtype():
 
 
 # ----------------------------------------------------------------------------------------
+# einsum chains
+# ----------------------------------------------------------------------------------------
+
+LQ, LK, DV = 12, 20, 8
+"""Query and key lengths and V's head dim differ, so that a swapped operand cannot pass."""
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with ``torch.einsum`` as ``spelling`` says; q ``[B, H, LQ, D]``,
+    k ``[B, Hkv, LK, D]``, v ``[B, Hkv, LK, DV]``, bias ``[B, 1, LQ, LK]``."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v, bias):
+        s, e = self.spelling, torch.einsum
+        if s == "bhqd":
+            return e("bhqk,bhkd->bhqd", (e("bhqd,bhkd->bhqk", q, k) * D**-0.5 + bias).softmax(-1), v)
+        if s == "ellipsis, spaces, list operands":
+            scores = e("... q d, ... k d -> ... q k", [q * D**-0.5, k])
+            return e("...qk,...kd->...qd", [F.softmax(scores, dim=-1), v])
+        if s == "[B, L, H, D] layout":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            scores = e("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+            return e("bhqk,bkhd->bqhd", torch.softmax(scores.masked_fill(bias < -1e9, float("-inf")), -1), v)
+        if s == "operands swapped":
+            scores = e("bhkd,bhqd->bhqk", k, q) * D**-0.5
+            return e("bhkd,bhqk->bhqd", v, scores.softmax(-1))
+        if s == "pre-transposed key":
+            kt = k.transpose(-1, -2).contiguous()
+            return e("bhqk,bhkd->bhqd", (e("bhqd,bhdk->bhqk", q, kt) + bias).softmax(-1), v)
+        if s == "rank-3":
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            return e("zqk,zkd->zqd", e("zqd,zkd->zqk", q, k).softmax(-1), v).view(B, H, LQ, DV)
+        if s == "repeat_kv":
+            return EinsumAttention("bhqd")(q, repeat_kv(k, 2), repeat_kv(v, 2), bias)
+        raise AssertionError(s)
+
+
+EINSUM_SPELLINGS = ["bhqd", "ellipsis, spaces, list operands", "[B, L, H, D] layout", "operands swapped",
+                    "pre-transposed key", "rank-3", "repeat_kv"]
+
+
+def einsum_inputs(hkv: int = H):
+    q = torch.randn(B, H, LQ, D)
+    k, v = torch.randn(B, hkv, LK, D), torch.randn(B, hkv, LK, DV)
+    bias = (0.5 * torch.randn(B, 1, LQ, LK)).masked_fill(torch.rand(B, 1, LQ, LK) > 0.7, float("-inf"))
+    bias[..., 0] = 0.0  # every query sees a key
+    return q, k, v, bias
+
+
+@pytest.mark.parametrize("spelling", EINSUM_SPELLINGS)
+def test_einsum_chain_is_one_exact_site(spelling):
+    gqa = spelling == "repeat_kv"
+    expected, got, rec = run_compiled(EinsumAttention(spelling).eval(), *einsum_inputs(H // 2 if gqa else H))
+    (report,) = rec.reports
+    assert report.status == REWRITTEN, report.reason
+    assert report.pattern == "matmul_softmax"
+    hkv = H // 2 if gqa else H
+    shapes = {"q": [B, H, LQ, D], "k": [B, hkv, LK, D], "v": [B, hkv, LK, DV]}
+    if spelling == "rank-3":
+        shapes = {name: [B * H, *shape[2:]] for name, shape in shapes.items()}
+    assert report.shapes == shapes
+    assert report.gqa_source == ("repeat_kv" if gqa else None)
+    assert rec.count(_is_qattn) == 1 and rec.count(_is_softmax) == 0
+    assert rec.count(lambda n: n.target is torch.einsum) == 0
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def _einsum_node(equation: str, *shapes):
+    graph = fx.Graph()
+    operands = []
+    for i, shape in enumerate(shapes):
+        operands.append(graph.placeholder(f"x{i}"))
+        operands[-1].meta["val"] = torch.empty(shape)
+    return graph.call_function(torch.einsum, (equation, *operands))
+
+
+@pytest.mark.parametrize("equation, a, b", [
+    ("bhqd,bhkd->bhqk", (2, 3, 4, 5), (2, 3, 6, 5)),
+    ("bqhd,bkhd->bhqk", (2, 4, 3, 5), (2, 6, 3, 5)),
+    ("bhqk,bkhd->bqhd", (2, 3, 4, 6), (2, 6, 3, 5)),
+    ("hbqd,bhkd->bhkq", (3, 2, 4, 5), (2, 3, 6, 5)),
+    ("...qd,...kd->...qk", (2, 3, 4, 5), (2, 3, 6, 5)),
+    ("qd,kd", (4, 5), (6, 5)),  # implicit output: "kq"
+    ("bij , bjk -> bik", (2, 4, 5), (2, 5, 6)),
+])
+def test_einsum_contraction_equals_the_einsum(equation, a, b):
+    node = _einsum_node(equation, a, b)
+    found = einsum.contraction(node)
+    x, y = torch.randn(a), torch.randn(b)
+
+    def permute(t, dims):
+        return t if dims is None else t.permute(dims)
+
+    product = torch.matmul(permute(x, found.a_dims), permute(y, found.b_dims))
+    torch.testing.assert_close(permute(product, found.out_dims), torch.einsum(equation, x, y))
+
+
+@pytest.mark.parametrize("equation, shapes, reason", [
+    ("bij,bjk->bk", [(2, 4, 5), (2, 5, 6)], "one summed index"),
+    ("bii,bij->bij", [(2, 4, 4), (2, 4, 6)], "diagonal"),
+    ("bhqd,bhkd->bhqkd", [(2, 3, 4, 5), (2, 3, 6, 5)], "one summed index"),
+    ("...qd,...kd->...qk", [(2, 3, 4, 5), (3, 6, 5)], "broadcasting"),
+    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (1, 3, 6, 5)], "broadcasting"),
+    ("bhqd,bhkd,bh->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5), (2, 3)], "only two-operand"),
+])
+def test_einsum_that_is_no_matrix_product_says_why(equation, shapes, reason):
+    found = einsum.contraction(_einsum_node(equation, *shapes))
+    assert isinstance(found, str) and reason in found and repr(equation) in found, found
+
+
+class EinsumRefusal(nn.Module):
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.w = nn.Parameter(torch.eye(D), requires_grad=False)
+
+    def forward(self, q, k, v, bias):
+        e = torch.einsum
+        if self.spelling == "bilinear":  # three operands: Q·W·Kᵀ
+            return e("bhqk,bhkd->bhqd", e("bhqd,de,bhke->bhqk", q, self.w, k).softmax(-1), v)
+        if self.spelling == "heads between":  # scores [B, LQ, H, LK]
+            return e("bqhk,bhkd->bhqd", e("bhqd,bhkd->bqhk", q, k).softmax(-1), v)
+        raise AssertionError(self.spelling)
+
+
+@pytest.mark.parametrize("spelling, reason", [
+    ("bilinear", r"einsum 'bhqd,de,bhke->bhqk' is not one batched matrix product: only two-operand"),
+    ("heads between", r"einsum scores 'bhqd,bhkd->bqhk' whose last two axes are not \(queries, keys\)"),
+])
+def test_einsum_that_is_no_attention_product_is_reported(spelling, reason):
+    expected, got, rec = run_compiled(EinsumRefusal(spelling).eval(), *einsum_inputs())
+    (report,) = rec.reports
+    assert report.status == FALLBACK and re.search(reason, report.reason), report.reason
+    assert rec.count(_is_qattn) == 0
+    torch.testing.assert_close(got, expected)
+
+
+# ----------------------------------------------------------------------------------------
 # SDPA call sites
 # ----------------------------------------------------------------------------------------
 
@@ -401,6 +542,13 @@ class Projected(nn.Module):
         return F.scaled_dot_product_attention(self.proj(q), k, v)
 
 
+class BroadcastScores(nn.Module):
+    """One head's scores broadcast to every head by the mask (the mask added first)."""
+
+    def forward(self, q, k, v, keep, bias):
+        return torch.softmax(bias.expand(B, H, L, L) + q[:, :1] @ k[:, :1].mT, -1) @ v
+
+
 REFUSALS = [
     (ReturnsWeights(), r"intermediate `\w+` \(probabilities\) is also used by `\w+`"),
     (TrainingDropout(), r"dropout p=0.1 in training mode"),
@@ -410,6 +558,7 @@ REFUSALS = [
     (KeyAxisScale(), r"varies along the key axis"),
     (Rank5(), r"rank-5 attention"),
     (BatchBroadcast(), r"batch sizes differ"),
+    (BroadcastScores(), r"`\w+` \(add\) broadcasts the scores \[2, 1, 12, 12\] up to the mask's \[2, 4, 12, 12\]"),
 ]
 
 

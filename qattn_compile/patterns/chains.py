@@ -3,7 +3,8 @@
 Anchored on every softmax, a match walks
 
 - back from the softmax input to the ``Q·Kᵀ`` product (``torch.matmul``, ``@``, ``bmm``,
-  ``Tensor.matmul``) through float casts, scale factors (``mul``/``div`` by a constant or a
+  ``Tensor.matmul``, or a ``torch.einsum`` that is one batched matrix product in any layout,
+  see :mod:`.einsum`) through float casts, scale factors (``mul``/``div`` by a constant or a
   run-time scalar, see :mod:`.scaling`), additive masks (``+ mask``) and ``-inf``-like masks
   (``masked_fill(m, -inf)``, ``where(m, scores, finfo.min)``), in any order. A finite fill
   (≤ −1e4) becomes a keep term like ``-inf``: the one difference is a row whose every key is
@@ -13,7 +14,8 @@ Anchored on every softmax, a match walks
 
 On the Q·Kᵀ operands, constant scales on Q or K are folded into the softmax scale and the
 transpose/permute/``.mT`` of K is looked through; a key that was never transposed back (a
-pre-transposed ``[.., D, L]`` key) is transposed by the rewrite. A softmax whose output
+pre-transposed ``[.., D, L]`` key) is transposed by the rewrite, and so are an einsum's
+operands held in other layouts (the site's ``*_dims``). A softmax whose output
 reaches a matmul and whose input comes from one (within a few ops) is a *candidate*: when
 the strict walk fails, the site is reported with the reason — an unsupported op in between,
 dropout in training, an intermediate (scores, probabilities) used elsewhere, …
@@ -26,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from . import gqa, masks
+from . import einsum, gqa, masks
+from .einsum import Contraction
 from .masks import AdditiveTerm, KeepTerm, MaskSpec
 from .nodes import (
     ADD,
@@ -53,7 +56,7 @@ from .nodes import (
     tensor_value,
 )
 from .scaling import Factor, as_factor, constant_scale, runtime_factors
-from .site import AttentionSite, module_of, source_of
+from .site import AttentionSite, module_of, permuted, source_of
 
 PATTERN = "matmul_softmax"
 _IDENTITY = Op((), ("contiguous", "clone"))
@@ -72,21 +75,61 @@ class _Scores:
     stop: fx.Node | None = None
 
 
-def _operands(matmul: fx.Node) -> tuple:
-    """The two operands of a ``matmul``/``bmm``/``@`` node, positional or keyword."""
-    second = "mat2" if "mat2" in matmul.kwargs else "other"
-    return arg(matmul, 0, "input"), arg(matmul, 1, second)
+def _product(node, swap: bool = False) -> Contraction | str | None:
+    """``node`` as a matrix product: a ``matmul``/``bmm``/``@`` node (operands positional or
+    keyword) or an einsum of one batched product, read with its operands swapped when
+    ``swap`` (einsums only); a string says why an einsum is not one; ``None``: neither."""
+    if MATMUL(node):
+        second = "mat2" if "mat2" in node.kwargs else "other"
+        return Contraction(node, arg(node, 0, "input"), arg(node, 1, second))
+    return einsum.contraction(node, swap)
+
+
+def _scores_product(node: fx.Node) -> Contraction | str:
+    """The ``Q·Kᵀ`` product at ``node``: an einsum is read with the operand whose own index
+    is the output's last (the keys) second, so that its product needs no output permutation."""
+    found = _product(node)
+    if isinstance(found, Contraction) and found.out_dims is not None and einsum.is_einsum(node):
+        swapped = _product(node, swap=True)
+        found = swapped if isinstance(swapped, Contraction) and swapped.out_dims is None else found
+    if isinstance(found, Contraction) and found.out_dims is not None:
+        return f"einsum scores {node.args[0]!r} whose last two axes are not (queries, keys)"
+    return found
+
+
+def _pv_product(node: fx.Node, probs: fx.Node) -> Contraction | None:
+    """``node`` as the ``P·V`` product of ``probs`` (its first operand), or ``None``."""
+    for swap in (False, True) if einsum.is_einsum(node) else (False,):
+        found = _product(node, swap)
+        if isinstance(found, Contraction) and found.a is probs:
+            return found
+    return None
 
 
 def _loose_matmul(node) -> fx.Node | None:
-    """A matmul within :data:`_LOOSE_STEPS` ops before ``node``, following first tensor
-    arguments (how far back a softmax input may come from ``Q·Kᵀ`` to be a candidate)."""
+    """A matrix product (:func:`_product`) within :data:`_LOOSE_STEPS` ops before ``node``,
+    following first tensor arguments (the way scores usually flow)."""
     for _ in range(_LOOSE_STEPS):
         if not isinstance(node, fx.Node):
             return None
-        if MATMUL(node):
+        if _product(node) is not None:
             return node
         node = next((a for a in node.all_input_nodes if tensor_value(a) is not None), None)
+    return None
+
+
+def _nearby_product(node) -> fx.Node | None:
+    """A matrix product (an unreadable einsum included) within :data:`_LOOSE_STEPS` ops
+    before ``node`` along any tensor input: how far back a softmax input may come from
+    ``Q·Kᵀ`` for the softmax to be a candidate, reported when the strict walk fails."""
+    frontier, seen = [node], set()
+    for _ in range(_LOOSE_STEPS):
+        found = next((n for n in frontier if _product(n) is not None), None)
+        if found is not None:
+            return found
+        seen.update(frontier)
+        frontier = [a for n in frontier if isinstance(n, fx.Node) for a in n.all_input_nodes
+                    if a not in seen and tensor_value(a) is not None]
     return None
 
 
@@ -98,6 +141,10 @@ def _score_operand(node: fx.Node, candidates: list) -> fx.Node | None:
     if len(full) > 1:
         full = [c for c in full if _loose_matmul(c) is not None] or full
     return full[0] if full else None
+
+
+def _shown(shape) -> str:
+    return str(list(shape)) if shape is not None else "?"
 
 
 def _is_float_copy(node: fx.Node) -> bool:
@@ -132,6 +179,9 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, Factor | KeepTerm | fx.Node | No
     if ADD(node) and len(node.args) == 2 and not node.kwargs:
         scores = _score_operand(node, list(node.args))
         other = node.args[1] if scores is node.args[0] else node.args[0]
+        if scores is not None and _loose_matmul(scores) is None and _loose_matmul(other) is not None:
+            return (f"{describe(node)} broadcasts the scores {_shown(shape_of(other))} up to the "
+                    f"mask's {_shown(shape_of(node))} (only masks that broadcast to the scores are served)")
         val = tensor_value(other)
         if scores is None or val is None or not val.is_floating_point():
             return unsupported
@@ -158,7 +208,7 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, Factor | KeepTerm | fx.Node | No
 def _walk_scores(softmax: fx.Node) -> _Scores:
     """Walk from the softmax input back to ``Q·Kᵀ`` (see :func:`_step_back`)."""
     walk, node = _Scores(), arg(softmax, 0, "input")
-    while not MATMUL(node):
+    while _product(node) is None:
         step = _step_back(node) if isinstance(node, fx.Node) else f"softmax of {node!r}"
         if isinstance(step, str):
             walk.refusal, walk.stop = step, node
@@ -185,8 +235,8 @@ def _prob_refusal(node: fx.Node) -> str | None:
     return f"unsupported op {describe(node)} between softmax and the P·V matmul"
 
 
-def _walk_probs(softmax: fx.Node) -> tuple[fx.Node | None, list[fx.Node], str | None]:
-    """(the ``P·V`` matmul, the ops between softmax and it, why they cannot be served).
+def _walk_probs(softmax: fx.Node) -> tuple[Contraction | None, list[fx.Node], str | None]:
+    """(the ``P·V`` product, the ops between softmax and it, why they cannot be served).
 
     Searches every path of at most :data:`_LOOSE_STEPS` ops that pass the probabilities
     on as first argument, so a second user of the probabilities (returned weights, a
@@ -194,7 +244,7 @@ def _walk_probs(softmax: fx.Node) -> tuple[fx.Node | None, list[fx.Node], str | 
     """
 
     def search(node: fx.Node, path: list[fx.Node]):
-        pv = next((u for u in node.users if MATMUL(u) and _operands(u)[0] is node), None)
+        pv = next(filter(None, (_pv_product(u, node) for u in node.users)), None)
         if pv is not None:
             return pv, path
         if len(path) < _LOOSE_STEPS:
@@ -247,13 +297,11 @@ def _reuse_refusal(scores: list[fx.Node], probs: list[fx.Node], last: fx.Node) -
     return None
 
 
-def _shape_refusal(q: fx.Node, k: fx.Node, v: fx.Node, k_transposed: bool) -> str | None:
-    """Why these operands do not fit the op's layouts, or None."""
-    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+def _shape_refusal(shapes: dict[str, tuple | None]) -> str | None:
+    """Why q, k, v of these shapes (as the op would receive them) do not fit its layouts."""
+    qs, ks, vs = shapes["q"], shapes["k"], shapes["v"]
     if qs is None or ks is None or vs is None:
         return "query/key/value have no recorded example values"
-    if k_transposed:
-        ks = (*ks[:-2], ks[-1], ks[-2])
     if not (len(qs) == len(ks) == len(vs) and len(qs) in (3, 4)):
         return f"rank-{len(qs)} attention (only [B, H, L, D] and [B·H, L, D] are served)"
     if not (same_size(qs[0], ks[0]) and same_size(qs[0], vs[0])):
@@ -299,6 +347,26 @@ def _mask_and_scale(steps: list) -> tuple[MaskSpec, list[Factor], str | None]:
     return spec, factors, refusal
 
 
+def _swap_last_two(dims: tuple[int, ...] | None, rank: int) -> tuple[int, ...] | None:
+    """``dims`` followed by a swap of the last two axes (``None``: no permutation)."""
+    if rank < 2:
+        return dims
+    dims = list(dims or range(rank))
+    dims[-2:] = dims[-1], dims[-2]
+    return None if dims == list(range(rank)) else tuple(dims)
+
+
+def _key(kt: fx.Node, kt_dims: tuple[int, ...] | None) -> tuple[fx.Node, tuple | None, list[Factor], list[fx.Node]]:
+    """K from the product's second operand (Kᵀ after ``kt_dims``): (node, the permutation
+    that gives ``[.., Lk, D]``, constant factors, stripped nodes). A transpose/permute/``.mT``
+    that swaps back to K is looked through."""
+    kt, factors, stripped = _strip_constant_scale(kt)
+    if kt_dims is None and is_last_two_swap(kt):
+        k, more_factors, more_stripped = _strip_constant_scale(kt.args[0])
+        return k, None, factors + more_factors, [*stripped, kt, *more_stripped]
+    return kt, _swap_last_two(kt_dims, len(shape_of(kt) or ())), factors, stripped
+
+
 def chain_site(softmax: fx.Node) -> AttentionSite | None:
     """The :class:`AttentionSite` of the chain around ``softmax``; ``None`` when ``softmax``
     is not a candidate (no matmul before and after it)."""
@@ -308,58 +376,61 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
     if pv is None:
         return None
     walk = _walk_scores(softmax)
-    qk = walk.qk or _loose_matmul(walk.stop)
-    if qk is None:
+    qk_node = walk.qk or _nearby_product(walk.stop)
+    if qk_node is None:
         return None
+    qk = _scores_product(qk_node)
+    if isinstance(qk, str):  # an einsum that is no Q·Kᵀ product: report it on its operands
+        refusal = refusal or qk
+        operands = [a for a in qk_node.all_input_nodes if tensor_value(a) is not None] or [qk_node]
+        qk = Contraction(qk_node, operands[0], operands[-1])
     refusal = walk.refusal or refusal
     rank, dim = len(shape_of(softmax) or ()), arg(softmax, 1, "dim")
     if refusal is None and not (isinstance(dim, int) and rank and dim % rank == rank - 1):
         refusal = f"softmax over dim {dim} (only the key axis, dim -1, is served)"
+    if refusal is None and pv.a_dims is not None:
+        refusal = f"the P·V einsum {pv.node.args[0]!r} permutes the probabilities"
 
-    q, kt = _operands(qk)
-    q, q_factors, q_stripped = _strip_constant_scale(q)
-    kt, k_factors, k_stripped = _strip_constant_scale(kt)
-    k, k_transposed = kt, True
-    if is_last_two_swap(kt):
-        k, more_factors, more_stripped = _strip_constant_scale(kt.args[0])
-        k_transposed, k_factors, k_stripped = False, k_factors + more_factors, [*k_stripped, kt, *more_stripped]
-    v = _operands(pv)[1]
-    chain = [*q_stripped, *k_stripped, qk, *walk.nodes, softmax, *prob_nodes, pv]
+    q, q_factors, q_stripped = _strip_constant_scale(qk.a)
+    k, k_dims, k_factors, k_stripped = _key(qk.b, qk.b_dims)
+    v, v_dims = pv.b, pv.b_dims
+    chain = [*q_stripped, *k_stripped, qk.node, *walk.nodes, softmax, *prob_nodes, pv.node]
     mask, factors, scale_refusal = _mask_and_scale(walk.steps)
     factors = [*q_factors, *k_factors, *factors]
     runtime = runtime_factors(factors)
-
-    refusal = (
-        refusal
-        or scale_refusal
-        or _reuse_refusal([qk, *walk.nodes], [softmax, *prob_nodes], pv)
-        or _shape_refusal(q, k, v, k_transposed)
-        or _grad_refusal([q, k, v, *mask.nodes(), *(f.value for f in runtime)])
-    )
-    gqa_source = None
-    if refusal is None and not k_transposed and (found := gqa.unrepeat_kv(k, v)):
-        (k, v), gqa_source = (found[0].source, found[1].source), found[0].how
-        chain += found[0].nodes + found[1].nodes
-    elif refusal is None and len(shape_of(q)) == 4 and is_one(shape_of(k)[1]) and not is_one(shape_of(q)[1]):
-        gqa_source = "broadcast"
-    lengths_match = refusal is None and same_size(shape_of(q)[-2], shape_of(v)[-2])
-    fqn, cls = module_of(pv)
-    return AttentionSite(
+    fqn, cls = module_of(pv.node)
+    site = AttentionSite(
         pattern=PATTERN,
-        anchor=pv,
+        anchor=pv.node,
         q=q,
         k=k,
         v=v,
         mask=mask,
         scale=constant_scale(factors),
         scale_factors=runtime,
-        k_transposed=k_transposed,
-        gqa_source=gqa_source,
+        q_dims=qk.a_dims,
+        k_dims=k_dims,
+        v_dims=v_dims,
+        out_dims=pv.out_dims,
         mask_kind=masks.mask_kind(mask, False),
-        causal_fast_path=lengths_match and masks.causal_fast_path(mask),
         fqn=fqn,
         module_class=cls,
-        source=source_of(pv),
-        refusal=refusal,
+        source=source_of(pv.node),
         chain=chain,
     )
+    shapes = site.op_shapes()
+    site.refusal = (
+        refusal
+        or scale_refusal
+        or _reuse_refusal([qk.node, *walk.nodes], [softmax, *prob_nodes], pv.node)
+        or _shape_refusal(shapes)
+        or _grad_refusal([q, k, v, *mask.nodes(), *(f.value for f in runtime)])
+    )
+    if site.refusal is None and k_dims is None and v_dims is None and (found := gqa.unrepeat_kv(k, v)):
+        (site.k, site.v), site.gqa_source = (found[0].source, found[1].source), found[0].how
+        site.chain += found[0].nodes + found[1].nodes
+    elif site.refusal is None and len(shapes["q"]) == 4 and is_one(shapes["k"][1]) and not is_one(shapes["q"][1]):
+        site.gqa_source = "broadcast"
+    lengths_match = site.refusal is None and same_size(shapes["q"][-2], shapes["v"][-2])
+    site.causal_fast_path = lengths_match and masks.causal_fast_path(mask)
+    return site

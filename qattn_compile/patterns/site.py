@@ -11,7 +11,7 @@ from .masks import MaskSpec
 from .nodes import shape_of
 from .scaling import Factor
 
-__all__ = ["AttentionSite", "clean_fqn", "module_of", "source_of"]
+__all__ = ["AttentionSite", "clean_fqn", "module_of", "permuted", "source_of"]
 
 
 @dataclass
@@ -21,10 +21,12 @@ class AttentionSite:
     The rewrite feeds ``torch.ops.qattn.attention`` with:
 
     - ``q`` ``[B, Hq, Lq, D]``; ``k``/``v`` ``[B, Hkv, Lkv, D|Dv]``, un-repeated when GQA was
-      recovered (``gqa_source`` says from what). With ``k_transposed`` the node ``k`` holds
-      Kᵀ ``[..., D, Lkv]`` (a chain whose key was never transposed back) and the rewrite
-      transposes it. Rank-3 sites (``[B·H, L, D]``, e.g. ``bmm`` chains) get a leading
-      batch dim of 1 around the op.
+      recovered (``gqa_source`` says from what). A node held in another layout comes with
+      the permutation that the rewrite applies to it first (``q_dims``, ``k_dims``,
+      ``v_dims``; ``None``: none): a pre-transposed key ``[..., D, Lkv]`` that was never
+      transposed back, an einsum's operands (``"bqhd,bkhd->bhqk"``). ``out_dims`` permutes
+      the op's output ``[B, Hq, Lq, Dv]`` into the anchor's layout. Rank-3 sites
+      (``[B·H, L, D]``, e.g. ``bmm`` chains) get a leading batch dim of 1 around the op.
     - ``mask``: the mask terms, combined by the rewrite into one bool or additive mask.
     - ``scale``: the constant part of the softmax scale (``None`` = ``1/sqrt(D)``) and
       ``scale_factors``: run-time factors (``.item()`` of a module attribute, a SymFloat,
@@ -45,7 +47,10 @@ class AttentionSite:
     is_causal: bool = False
     scale: float | None = None
     scale_factors: tuple[Factor, ...] = ()
-    k_transposed: bool = False
+    q_dims: tuple[int, ...] | None = None
+    k_dims: tuple[int, ...] | None = None
+    v_dims: tuple[int, ...] | None = None
+    out_dims: tuple[int, ...] | None = None
     gqa_source: str | None = None
     mask_kind: str = "none"
     causal_fast_path: bool = False
@@ -58,29 +63,29 @@ class AttentionSite:
     @property
     def gqa_group(self) -> int | None:
         """Query heads per key/value head, when both head counts are static."""
-        hq, hkv = _dim(self.q, -3), _dim(self.k, -3)
+        shapes = self.shapes()
+        hq, hkv = (shapes[name][-3] if len(shapes[name]) >= 3 else None for name in ("q", "k"))
         if isinstance(hq, int) and isinstance(hkv, int) and hkv and hq % hkv == 0:
             return hq // hkv
         return None
 
+    def op_shapes(self) -> dict[str, tuple | None]:
+        """Shapes of q, k, v as the op receives them (after ``*_dims``; sizes may be symbolic,
+        ``None`` without a recorded example value)."""
+        return {name: permuted(shape_of(getattr(self, name)), getattr(self, f"{name}_dims"))
+                for name in ("q", "k", "v")}
+
     def shapes(self) -> dict[str, list]:
-        """Shapes of q, k, v as the op sees them (ints, or strings for symbolic sizes)."""
-        shapes = {name: _shape(getattr(self, name)) for name in ("q", "k", "v")}
-        if self.k_transposed and len(shapes["k"]) >= 2:
-            shapes["k"][-2:] = shapes["k"][-2:][::-1]
-        return shapes
+        """:meth:`op_shapes` as ints, or strings for symbolic sizes."""
+        return {name: [int(s) if isinstance(s, int) else str(s) for s in shape or ()]
+                for name, shape in self.op_shapes().items()}
 
 
-def _shape(node: fx.Node) -> list:
-    shape = shape_of(node)
-    if shape is None:
-        return []
-    return [int(s) if isinstance(s, int) else str(s) for s in shape]
-
-
-def _dim(node: fx.Node, i: int):
-    shape = _shape(node)
-    return shape[i] if len(shape) >= abs(i) else None
+def permuted(shape: tuple | None, dims: tuple[int, ...] | None) -> tuple | None:
+    """``shape`` after ``permute(dims)`` (``None`` dims: unchanged)."""
+    if shape is None or dims is None:
+        return shape
+    return tuple(shape[d] for d in dims)
 
 
 _DYNAMO_ROOT = re.compile(r"^[LG]\['args'\]\[\d+\]\.?|^[LG]\['[^']+'\]\.?")
