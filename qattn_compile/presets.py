@@ -258,7 +258,10 @@ class TurboOptions(KernelOptions):
     exp: Literal["sas", "hardware"] = Field(
         "sas", description="SAS polynomial exp (paper) or the hardware exp."
     )
-    sas_threshold: StrictFloat = Field(-6.0, lt=0, description="Scores below max+threshold give P=0.")
+    sas_threshold: StrictFloat = Field(
+        -6.0, lt=0, ge=-80.0,
+        description="Scores below max+threshold give P=0 (>= -80: the kernel builds 2^y from y's "
+                    "integer part as a float32 exponent, which needs y >= -126).")
     p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
 
 

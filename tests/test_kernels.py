@@ -555,6 +555,42 @@ def test_presets_additive_mask_and_causal(preset):
     assert torch.equal(out[0, :, 5], torch.zeros_like(out[0, :, 5]))
 
 
+def sink_qkv(lq=64, lkv=256, d=32):
+    """Scores (scale 1) of 0 at key 0 (a sink) and 6.1-6.6 below it elsewhere: just below
+    turbo's default SAS threshold (-6) relative to the row max, which the first tile holds."""
+    q = torch.zeros(1, 1, lq, d)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, lkv, d)
+    k[..., 0] = torch.empty(lkv).uniform_(-6.6, -6.1)
+    k[..., 0, 0] = 0.0
+    return q.half(), k.half(), torch.randn(1, 1, lkv, d).half()
+
+
+@pytest.mark.parametrize("options", [None, {"p_scale": "row"}])
+def test_turbo_skips_the_tiles_below_the_running_max_as_the_reference_does(options):
+    """turbo's SAS drops key tiles whose scores all lie below the running max + threshold
+    (here every tile after the sink's, ~40 % of the attention mass): the reference models
+    the skip, so kernel and reference agree."""
+    q, k, v = sink_qkv()
+    out, err_k, err_r = check_against_reference(q, k, v, "turbo", options, scale=1.0)
+    assert err_k > 0.3 and err_r > 0.3  # the skipped mass, not quantization error
+    key_tile = prepare_attention(q, k, v, scale=1.0, preset="turbo", options=options).cfg.block_n
+    ref = reference_attention(q, k, v, scale=1.0, preset="turbo", options=options, key_tile=key_tile)
+    assert rel_l1(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("preset", ["flash", "int_flash"])
+def test_finite_additive_fill_keeps_keys_visible(preset):
+    """Only -inf masks: finfo(float32).min on every key of a row leaves the row averaging V,
+    as SDPA does (times log2 e it would overflow to -inf in the kernel)."""
+    q, k, v = make_qkv(lq=40, lkv=70, d=32)
+    bias = torch.zeros(1, 1, 40, 70)
+    bias[..., 3, :] = torch.finfo(torch.float32).min
+    bias[..., 10:, 50:] = torch.finfo(torch.float32).min
+    out, _, _ = check_against_reference(q, k, v, preset, attn_mask=bias)
+    torch.testing.assert_close(out[0, :, 3].float(), v[0].float().mean(-2), atol=3e-2, rtol=0)
+
+
 @pytest.mark.parametrize(
     "preset,options",
     [

@@ -123,6 +123,20 @@ def test_gpu_hf_bool_mask_fully_masked_rows(preset):
     assert not out[1, :, :300].any()
 
 
+@pytest.mark.parametrize("preset", ["flash", "int_flash", "sage2_8b", "fp8"])
+def test_gpu_finite_additive_fill_keeps_keys_visible(preset):
+    """transformers' eager-style additive mask (finfo.min where masked) with left padding:
+    a row whose every key is at finfo.min averages V, as SDPA does (only -inf masks)."""
+    b, length = 2, 1024
+    q, k, v = make_qkv(b=b, lq=length, d=64)
+    keep = torch.ones(length, length, dtype=torch.bool, device=DEV).tril().expand(b, 1, length, length).clone()
+    keep[1, :, :, :300] = False
+    bias = torch.zeros(keep.shape, device=DEV).masked_fill(~keep, torch.finfo(torch.float32).min)
+    out = check(q, k, v, preset, label="finfo.min additive + padding", attn_mask=bias)
+    mean_v = v[1].float().mean(-2)[:, None].expand(-1, 300, -1)
+    torch.testing.assert_close(out[1, :, :300].float(), mean_v, atol=5e-2, rtol=0)
+
+
 @pytest.mark.parametrize("preset", ALL_PRESETS)
 def test_gpu_additive_mask_odd_lengths(preset):
     q, k, v = make_qkv(lq=1000, lkv=1531, d=128)

@@ -370,6 +370,17 @@ def test_decode_kernel_matches_reference_in_interpreter(b, h, group, d, length, 
 
 
 @_INTERP
+def test_decode_kernel_finite_additive_fill_keeps_keys_visible():
+    """finfo(float32).min on every key of a row: the row averages V (as the reference and
+    SDPA do), it is not masked (times log2 e the fill would overflow to -inf)."""
+    layer, _, _ = _filled_layer(2, 2, 100, 32, 0, 1, capacity=320)
+    q = torch.randn(2, 4, 1, 32, dtype=torch.float16)
+    mask = torch.zeros(2, 1, 1, 320)
+    mask[1] = torch.finfo(torch.float32).min
+    assert _kernel_error(layer, q, mask, splits=2) < 2e-3
+
+
+@_INTERP
 @pytest.mark.parametrize("blocks_per_iter", [1, 2, 4])
 @pytest.mark.parametrize("codes", ["subnormal", "biased"])
 def test_decode_kernel_variants_match_reference(blocks_per_iter, codes):

@@ -274,6 +274,8 @@ def test_options_are_validated_against_their_own_preset():
     # and each preset's own constraints: turbo's threshold must be negative
     assert "field `sas_threshold`: Input should be less than 0" in error_of(
         RULES.format(rule="{match: x, preset: turbo, options: {sas_threshold: 1.0}}"))
+    assert "field `sas_threshold`: Input should be greater than or equal to -80" in error_of(
+        RULES.format(rule="{match: x, preset: turbo, options: {sas_threshold: -100.0}}"))
     p = load_policy(RULES.format(rule="{match: x, preset: sage2_4b, options: {smooth_v: true}}"))
     assert p.rules[2].options == Sage2Options(smooth_v=True)
 

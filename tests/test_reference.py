@@ -394,7 +394,7 @@ def test_tile_p_scale_beats_row_scale_on_long_rows(preset):
 
 def test_turbo_sas_threshold_zeroes_p_against_the_tile_max():
     """``p_scale: tile`` (default): the SAS threshold applies to scores minus their key tile's
-    max."""
+    max, in the tiles that SAS does not skip."""
     q, k, _ = qkv(lq=64, lkv=96, d=64)
     q = q * 3
     opts = {"sas_threshold": -2.0}
@@ -402,11 +402,39 @@ def test_turbo_sas_threshold_zeroes_p_against_the_tile_max():
     tile_max = s.unflatten(-1, (3, 32)).amax(-1, keepdim=True).expand(-1, -1, -1, -1, 32)
     x_tile = s - tile_max.flatten(-2)
     p = quantized_probs(q, k, preset="turbo", options=opts, key_tile=32).p
-    assert (x_tile < -2.0).sum() > 100
-    assert torch.equal(p[x_tile < -2.0], torch.zeros_like(p[x_tile < -2.0]))
-    assert (p[x_tile > -1.9] > 0).all()
+    earlier_max = torch.cummax(tile_max[..., 0], dim=-1).values.roll(1, dims=-1)
+    earlier_max[..., 0] = -math.inf
+    live = (tile_max >= earlier_max[..., None] - 2.0).flatten(-2)  # tiles SAS does not skip
+    assert (x_tile < -2.0).sum() > 100 and (~live).sum() > 100
+    assert torch.equal(p[(x_tile < -2.0) | ~live], torch.zeros_like(p[(x_tile < -2.0) | ~live]))
+    assert (p[(x_tile > -1.9) & live] > 0).all()
     x_row = s - s.amax(-1, keepdim=True)
     assert (p[x_row < -2.0] > 0).any()  # kept: below the row max + threshold, not the tile's
+
+
+def test_turbo_sas_drops_key_tiles_below_the_running_max():
+    """A key tile whose max lies below the running max of the row's earlier tiles + the
+    threshold gives P = 0 (as the kernel skips it), even where its own max would keep it;
+    without SAS (``exp: hardware``) it is kept."""
+    q = torch.zeros(1, 1, 8, 16)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 96, 16)
+    k[..., 0] = -6.5  # 6.5 below the row max at key 0 ...
+    k[..., 0, 0] = 0.0
+    k[..., 70, 0] = -5.0  # ... but for one key in the third tile
+    opts = {"sas_threshold": -6.0}
+    p = quantized_probs(q, k, scale=1.0, preset="turbo", options=opts, key_tile=32).p[0, 0]
+    assert torch.equal(p[:, 1:64], torch.zeros_like(p[:, 1:64]))  # SAS in tile 0, tile 1 skipped
+    assert (p[:, 64:] > 0).all()  # tile 2's max is above the running max + threshold
+    hw = quantized_probs(q, k, scale=1.0, preset="turbo", options={**opts, "exp": "hardware"}, key_tile=32).p
+    assert (hw[0, 0, :, 32:64] > 0).all()
+
+
+def test_exact_attention_without_keys_gives_zeros():
+    q = torch.randn(1, 2, 5, 16)
+    kv = torch.randn(1, 2, 0, 16)
+    out = exact_attention(q, kv, kv)
+    assert out.shape == (1, 2, 5, 16) and torch.equal(out, torch.zeros_like(out))
 
 
 def test_turbo_sas_threshold_zeroes_p():

@@ -53,6 +53,7 @@ import triton.language as tl
 from .. import blocks
 from . import mask as mask_codes
 from .primitives import (
+    additive_bias_log2,
     in_v_key_order,
     load_tile,
     rint_to_int32,
@@ -99,7 +100,6 @@ TILE_SKIP = tl.constexpr(mask_codes.TILE_SKIP)
 TILE_FULL = tl.constexpr(mask_codes.TILE_FULL)
 TILE_MIXED = tl.constexpr(mask_codes.TILE_MIXED)
 
-LOG2E = tl.constexpr(1.4426950408889634)
 V_KEY_BLOCK = tl.constexpr(blocks.V_KEY_BLOCK)
 
 
@@ -363,7 +363,7 @@ def pv_product(p, v, v_colsum, P_FMT: tl.constexpr, DOT_PRECISION: tl.constexpr)
 def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
                      MASK_MODE: tl.constexpr):
     """Apply the tensor mask to scores ``s`` ``[BLOCK_M, BLOCK_N]`` (log2 units): bool False
-    → ``-inf``, additive values added times log2 e. The load is predicated on the tile's
+    → ``-inf``, additive values added in log2 units (:func:`additive_bias_log2`). The load is predicated on the tile's
     summary ``code`` being mixed (a full tile reads nothing and changes nothing), so no
     branch stops the loop's loads from being pipelined."""
     mixed = (tl.zeros_like(offs_n) + code) == TILE_MIXED  # the scalar code as a [BLOCK_N] row
@@ -373,7 +373,7 @@ def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
         keep = tl.load(ptrs, mask=inside, other=1)
         s = tl.where(keep != 0, s, float("-inf"))
     else:
-        s += tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * LOG2E
+        s += additive_bias_log2(tl.load(ptrs, mask=inside, other=0.0))
     return s
 
 

@@ -95,7 +95,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..blocks import KV_CACHE_BLOCK
-from .primitives import interpreted
+from .primitives import additive_bias_log2, interpreted
 
 _LOG2E = 1.4426950408889634
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
@@ -408,7 +408,7 @@ def _visible(s, keys, qpos, row_ok, mask_row_ptr, sm_k, mask_len, MASK_KIND: tl.
         if MASK_KIND == 1:
             vis = vis & (m != 0)
         else:
-            s = s + m.to(tl.float32) * 1.4426950408889634
+            s = s + additive_bias_log2(m)
     return tl.where(vis, s, float("-inf"))
 
 

@@ -96,6 +96,21 @@ def rint_to_int32(x, MINUS: tl.constexpr = 0):
     return biased - _RINT_MAGIC_BITS
 
 
+_LOG2E = tl.constexpr(1.4426950408889634)
+_FINITE_BIAS_MIN = tl.constexpr(-2.3e38)
+"""Below this a float32 bias times log2 e would overflow to -inf (finfo.min·1.44 does)."""
+
+
+@triton.jit
+def additive_bias_log2(bias):
+    """An additive mask value (any float dtype) in log2 units, float32. Only ``-inf`` gives
+    ``-inf``: a finite bias, ``finfo(float32/bfloat16).min`` included, stays finite (clamped
+    to ~-3.3e38), so a row whose every key carries it averages V as SDPA does, instead of
+    counting as fully masked."""
+    bias = bias.to(tl.float32)
+    return tl.where(bias == float("-inf"), bias, tl.maximum(bias, _FINITE_BIAS_MIN) * _LOG2E)
+
+
 @triton.jit
 def round_to_e4m3_grid(x):
     """Round float32 ``x`` half-to-even onto the e4m3 grid, saturating at ±448 (stays fp32).

@@ -9,8 +9,12 @@ A row with no visible key outputs exactly 0. Only ``-inf`` masks a key: a finite
 value, however negative, keeps it visible (as in SDPA).
 
 :func:`reference_attention` follows the math in :mod:`qattn_compile.presets` on whole rows
-(one global row max over the visible keys; kernels use an online max, which is the same
-math). How it computes, so that kernel tests know what to compare:
+(one global row max over the visible keys). The kernels keep an online max instead: in
+exact arithmetic the same, but a P quantized against the running max (FP8 P, integer P with
+``p_scale: row``) rounds differently, usually finer (a tile before the row's max is
+quantized on a finer step): there the kernels' error is at or below this reference's (by
+~20 % on N(0, 1) inputs at ``p_scale: row``), never the other way. How it computes, so that
+kernel tests know what to compare:
 
 - Q/K/V are converted to ``compute_dtype`` (float32 by default; float64 allowed); smoothing
   runs in ``compute_dtype``; quantizers compute in float32 (:mod:`.quant`).
@@ -26,7 +30,9 @@ math). How it computes, so that kernel tests know what to compare:
   tile (``key_tile`` keys, aligned at 0: the kernel's ``block_n``) and each P̂ carries the
   weight ``w = exp(m_t − m)``: ``O = ((P̂·w)·V̂s) / Σ(P̂·w)``. (The kernels take a tile
   lying more than 64 below the running max, in log2 units, against that floor: its P̂
-  rounds to 0 where this reference's carries weights below 2^-64.) FP8 P (``sage2_*``
+  rounds to 0 where this reference's carries weights below 2^-64.) turbo's SAS also drops
+  a key tile whose max lies below the running max of the row's earlier tiles +
+  ``sas_threshold`` (the kernel drops it only when every row of its query tile does). FP8 P (``sage2_*``
   with ``pv: fp8``, ``fp8``): ``P̂ = fp8_e4m3(448·exp(x))``, ``l = Σ exp(x)`` (compute
   dtype). Native P (``flash``, ``sage2_*`` with ``pv: fp16``): ``P = exp(x)`` cast to V's
   dtype when that is fp16/bf16, ``l = Σ exp(x)`` before the cast; V is not quantized.
@@ -185,7 +191,7 @@ def exact_attention(
     bias = mask_bias(attn_mask, is_causal, (b, hq, lq, lkv), compute_dtype, q.device)
     rows = max(1, _CHUNK_ELEMENTS // max(1, b * hq * lkv))
     outs = []
-    for r0 in range(0, lq, rows):
+    for r0 in range(0, lq if lkv else 0, rows):  # no keys: every row is fully masked
         scores = (queries[:, :, r0 : r0 + rows] @ keys.transpose(-1, -2)) * tau
         if bias is not None:
             scores = scores + (bias if bias.shape[-2] == 1 else bias[:, :, r0 : r0 + rows])
@@ -376,15 +382,34 @@ def _shifted(scores: Tensor, tau: float, bias: Tensor | None) -> tuple[Tensor, T
     return s - torch.where(visible, row_max, 0.0), visible
 
 
+def _tile_maxima(x: Tensor, key_tile: int) -> Tensor:
+    """The max of each key tile of ``x`` ``[..., Lkv]`` (tiles of ``key_tile`` keys from 0):
+    ``[..., ceil(Lkv / key_tile)]``, ``-inf`` for a masked tile."""
+    tiles = torch.nn.functional.pad(x, (0, -x.shape[-1] % key_tile), value=-math.inf)
+    return tiles.unflatten(-1, (-1, key_tile)).amax(-1)
+
+
+def _per_key(per_tile: Tensor, key_tile: int, lkv: int) -> Tensor:
+    """A per-tile value ``[..., n_tiles]`` repeated for each key: ``[..., lkv]``."""
+    return per_tile.repeat_interleave(key_tile, dim=-1)[..., :lkv]
+
+
 def _tile_max(x: Tensor, key_tile: int) -> Tensor:
-    """Each entry's key-tile max of ``x`` ``[..., Lkv]`` (tiles of ``key_tile`` keys from 0),
-    same shape; 0 where the whole tile is ``-inf`` (masked)."""
-    lkv = x.shape[-1]
-    pad = -lkv % key_tile
-    tiles = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
-    tile_max = tiles.unflatten(-1, (-1, key_tile)).amax(-1)
-    tile_max = tile_max.repeat_interleave(key_tile, dim=-1)[..., :lkv]
+    """Each entry's key-tile max of ``x`` ``[..., Lkv]``, same shape; 0 where the whole tile
+    is ``-inf`` (masked)."""
+    tile_max = _per_key(_tile_maxima(x, key_tile), key_tile, x.shape[-1])
     return torch.where(tile_max > -math.inf, tile_max, 0.0)
+
+
+def _sas_skipped_tiles(x: Tensor, key_tile: int, threshold: float) -> Tensor:
+    """Where ``x = S − m`` ``[..., Lkv]`` lies in a key tile that turbo's SAS skips: one whose
+    max is below the running max of the row's earlier tiles + ``threshold`` (bool, same
+    shape). The kernel skips a tile only when every row of its query tile would, so this
+    per-row rule drops at least what the kernel drops."""
+    maxima = _tile_maxima(x, key_tile)
+    earlier = torch.cummax(maxima, dim=-1).values.roll(1, dims=-1)
+    earlier[..., 0] = -math.inf
+    return _per_key(maxima < earlier + threshold, key_tile, x.shape[-1])
 
 
 def _probabilities(x: Tensor, preset: str, opts, p_dtype,
@@ -403,13 +428,15 @@ def _probabilities(x: Tensor, preset: str, opts, p_dtype,
         e = torch.exp(x)
         p = quant.fp8_e4m3_values(_FP8_P_UNIT * e)
         return p.to(torch.float64), None, e.sum(dim=-1, keepdim=True), _FP8_P_UNIT
-    weight = None
+    weight, skipped = None, None
+    if preset == "turbo" and opts.exp == "sas":
+        skipped = _sas_skipped_tiles(x, key_tile, opts.sas_threshold)
     if opts.p_scale == "tile":
         shift = _tile_max(x, key_tile)
         x = x - shift
         weight = torch.exp(shift).to(torch.float64)
-    if preset == "turbo" and opts.exp == "sas":
-        e = sas_exp(x, opts.sas_threshold)
+    if skipped is not None:
+        e = sas_exp(x, opts.sas_threshold).masked_fill(skipped, 0.0)
     else:
         e = torch.exp(x)
     p_max = 255.0 if preset == "fmha_int8" else 127.0
@@ -591,8 +618,9 @@ class ProbParts(NamedTuple):
     ``pv: fp16`` — P̃ rounded to ``p_dtype``), float64 (compute dtype for native P).
     ``weight``: ``[B, Hq, Lq, Lkv]`` float64 ``exp(m_t − m)`` of each entry's key tile with
     ``p_scale: tile`` (integer P is then quantized against its tile's max), else None.
-    ``l``: ``[B, Hq, Lq, 1]`` row sums of ``p·weight`` (0 for fully masked rows). ``unit``:
-    448 for FP8 P, else 1.
+    ``l``: ``[B, Hq, Lq, 1]``: for integer P the row sums of ``p·weight``, for FP8 and native
+    P the sums of the unrounded ``P̃ = exp(S − m)`` (0 for fully masked rows). ``unit``: 448
+    for FP8 P, else 1.
     """
 
     p: Tensor
