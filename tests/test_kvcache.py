@@ -369,6 +369,49 @@ def test_decode_kernel_matches_reference_in_interpreter(b, h, group, d, length, 
     assert _kernel_error(layer, q, attn_mask, splits=splits) < 2e-3
 
 
+def _bad_decode_calls(layer):
+    """(q, mask, message) of decode calls that do not fit a [2 batch, 2 kv heads, D=32] cache."""
+    q = torch.randn(2, 4, 1, 32)
+    return [
+        (torch.randn(2, 3, 1, 32), None, "3 heads, not a multiple of the cache's 2 kv heads"),
+        (torch.randn(2, 1, 1, 32), None, "1 heads, not a multiple"),
+        (torch.randn(2, 4, 1, 64), None, r"q \(2, 4, 1, 64\) does not fit the cache's batch 2 and head dim 32"),
+        (torch.randn(1, 4, 1, 32), None, r"q \(1, 4, 1, 32\) does not fit"),
+        (torch.randn(4, 1, 32), None, r"q must be \[B, Hq, Lq, D\], got shape \(4, 1, 32\)"),
+        (q, torch.ones(2, 1, 1, 320, dtype=torch.int32), "must be bool or floating point"),
+        (q, torch.ones(3, 1, 1, 320, dtype=torch.bool), r"\(3, 1, 1, 320\) does not broadcast to \[B, Hq, Lq, keys\]"),
+        (q, torch.ones(2, 1, 2, 1, 320, dtype=torch.bool), "does not broadcast"),
+    ]
+
+
+def test_decode_arguments_that_do_not_fit_the_cache_are_named():
+    layer, _, _ = _filled_layer(2, 2, 100, 32, 0, 1, capacity=320)
+    for q, mask, message in _bad_decode_calls(layer):
+        with pytest.raises(ValueError, match=message):
+            torch.ops.qattn.flashq_decode(q, *layer.tensors(), mask, None)
+    with pytest.raises(ValueError, match="fewer columns than the 101 stored tokens"):
+        flashq.reference_decode(torch.randn(2, 4, 1, 32), layer.tensors(), torch.ones(2, 1, 1, 50, dtype=torch.bool))
+
+
+@_INTERP
+def test_decode_kernel_names_arguments_that_do_not_fit_the_cache():
+    from qattn_compile.kernels.decode import flashq_decode_triton
+
+    layer, _, _ = _filled_layer(2, 2, 100, 32, 0, 1, capacity=320)
+    for q, mask, message in _bad_decode_calls(layer):
+        with pytest.raises(ValueError, match=message):
+            flashq_decode_triton(q.half(), layer.tensors(), mask)
+
+
+@_INTERP
+@pytest.mark.parametrize("mask", [torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.full((1, 1, 1, 1), -1.0),
+                                  torch.tensor([[True], [False]]).view(2, 1, 1, 1)])
+def test_decode_kernel_one_column_mask_holds_for_every_key(mask):
+    layer, _, _ = _filled_layer(2, 2, 100, 32, 0, 1, capacity=320)
+    q = torch.randn(2, 4, 1, 32, dtype=torch.float16)
+    assert _kernel_error(layer, q, mask, splits=2) < 2e-3
+
+
 @_INTERP
 def test_decode_kernel_finite_additive_fill_keeps_keys_visible():
     """finfo(float32).min on every key of a row: the row averages V (as the reference and

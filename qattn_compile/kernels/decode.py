@@ -95,6 +95,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..blocks import KV_CACHE_BLOCK
+from ..kvcache.flashq import check_decode_args
 from .primitives import additive_bias_log2, interpreted
 
 _LOG2E = 1.4426950408889634
@@ -159,7 +160,7 @@ class DecodeConfig:
     Triton 3.6, with the code tiles built in the dots' operand layout): 1 block per
     iteration, 1 stage, the warps of :func:`default_warps` (one warp for GQA 32/8 at
     ``Lq = 1``), and the splits of :func:`default_splits` for them (two waves), for every
-    format. At B=8 × 32K (66 splits), INT2 1 warp × 1 block 0.151 ms against 2 warps × 2
+    format. At B=8 × 32K (the sweep's 66 splits; today's default gives 32), INT2 1 warp × 1 block 0.151 ms against 2 warps × 2
     blocks 0.181; INT4 0.183 against 0.194; the 2/4 mix (head slot the slowest grid axis)
     0.161 against 0.251 for 4 warps × 2 blocks; capping the registers (``maxnreg`` 200, 168
     or 128, for more programs per SM) 1.03–1.3× slower. Stages, in one run at B=1 × 32K
@@ -775,13 +776,16 @@ def padded_words(head_dim: int, bits: int) -> int:
     return max(triton.next_power_of_2(triton.cdiv(head_dim * bits // 8, 4)), 16 * bits // 32)
 
 
-def _mask_args(attn_mask: Tensor | None, q: Tensor, device: torch.device):
+def _mask_args(attn_mask: Tensor | None, q: Tensor, capacity: int):
     """(kind, tensor, strides b/h/q/k, key length) of an optional mask broadcast to
-    ``[B, Hq, Lq, Lm]``; bool masks are read as bytes."""
+    ``[B, Hq, Lq, Lm]`` (a one-column mask to the cache's ``capacity``: it holds for every
+    key); bool masks are read as bytes. The kernel treats keys from ``Lm`` on as masked:
+    the mask must cover the stored length (the length is on the device: not checked here)."""
     if attn_mask is None:
-        return _MASK_NONE, torch.empty(1, dtype=torch.uint8, device=device), (0, 0, 0, 0), 0
+        return _MASK_NONE, torch.empty(1, dtype=torch.uint8, device=q.device), (0, 0, 0, 0), 0
     mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], mask.shape[-1])
+    keys = capacity if mask.shape[-1] == 1 else mask.shape[-1]
+    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], keys)
     kind = _MASK_BOOL if mask.dtype == torch.bool else _MASK_ADD
     if kind == _MASK_BOOL:
         mask = mask.view(torch.uint8)
@@ -873,6 +877,7 @@ def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: f
     CPU tensors run under the Triton interpreter (``TRITON_INTERPRET=1``, tests).
     """
     interpreted(q.device)
+    check_decode_args(q, t, attn_mask)
     config = resolve(config or DecodeConfig(), q, t)
     b, hq, lq, d = q.shape
     h = t.step.shape[2]
@@ -882,7 +887,8 @@ def flashq_decode_triton(q: Tensor, t, attn_mask: Tensor | None = None, scale: f
     glp = triton.next_power_of_2(group * lq)
     bpi, splits = config.blocks_per_iter, config.splits
     d_out = triton.next_power_of_2(d)
-    kind, mask, (sm_b, sm_h, sm_q, sm_k), mask_len = _mask_args(attn_mask, q, q.device)
+    capacity = t.step.shape[3] * KV_CACHE_BLOCK
+    kind, mask, (sm_b, sm_h, sm_q, sm_k), mask_len = _mask_args(attn_mask, q, capacity)
     parts = splits + 1  # the last program along the split axis takes the INT8 buffer
     part_o = torch.empty(b, h, parts, glp, d_out, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, h, parts, glp, 2, dtype=torch.float32, device=q.device)

@@ -33,11 +33,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cache import KV_ATTENTION, FlashQView
+from .cache import KV_ATTENTION, MAX_STEP_TOKENS, FlashQView
 from .flashq import FlashQTensors, reference_decode
 
-MAX_DECODE_QUERIES = 16
-"""Longest query (tokens per update) served by the decode op; longer ones use SDPA."""
+MAX_DECODE_QUERIES = MAX_STEP_TOKENS
+"""Longest query (tokens per update) served by the decode op; longer ones use SDPA. The
+cache's update appends as many in a compiled step (:data:`.cache.MAX_STEP_TOKENS`)."""
 
 
 @torch.library.custom_op("qattn::flashq_decode", mutates_args=())

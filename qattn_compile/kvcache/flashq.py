@@ -189,6 +189,29 @@ def dequantize(t: FlashQTensors) -> Tensor:
     return torch.cat((blocks, buffered), dim=-2)
 
 
+def check_decode_args(q: Tensor, t: FlashQTensors, attn_mask: Tensor | None) -> None:
+    """Raise ``ValueError`` naming the tensor when ``q`` ``[B, Hq, Lq, D]`` or ``attn_mask``
+    does not fit the cache ``t`` (:func:`reference_decode` states the contract)."""
+    _, b, h, _, d = t.step.shape
+    if q.dim() != 4:
+        raise ValueError(f"decode q must be [B, Hq, Lq, D], got shape {tuple(q.shape)}")
+    if q.shape[0] != b or q.shape[-1] != d:
+        raise ValueError(f"decode q {tuple(q.shape)} does not fit the cache's batch {b} and head dim {d}")
+    if q.shape[1] < h or q.shape[1] % h:
+        raise ValueError(f"decode q has {q.shape[1]} heads, not a multiple of the cache's {h} kv heads")
+    if attn_mask is None:
+        return
+    shape = tuple(attn_mask.shape)
+    if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        raise ValueError(f"decode attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"decode attn_mask is on {attn_mask.device}, q on {q.device}")
+    rows = q.shape[:3]
+    if not 1 <= len(shape) <= 4 or any(m not in (1, n) for m, n in zip(shape[-2::-1], rows[::-1])):
+        raise ValueError(f"decode attn_mask {shape} does not broadcast to [B, Hq, Lq, keys] = "
+                         f"[{', '.join(map(str, rows))}, keys]")
+
+
 def reference_decode(
     q: Tensor, t: FlashQTensors, attn_mask: Tensor | None = None, scale: float | None = None
 ) -> Tensor:
@@ -197,12 +220,17 @@ def reference_decode(
     q: ``[B, Hq, Lq, D]`` (``Hq`` a multiple of the kv heads ``H``; query head ``i`` reads kv
     head ``i // (Hq // H)``); the queries are the last ``Lq`` stored tokens, so query ``i``
     sees keys ``j <= length - Lq + i``. attn_mask: None, bool (True = attend) or additive,
-    broadcastable to ``[B, Hq, Lq, >= length]`` (only the first ``length`` keys are read).
+    broadcastable to ``[B, Hq, Lq, keys]`` with one column (every key) or at least
+    ``length`` (only the first ``length`` are read; transformers passes ``max_cache_len``).
     A row with no visible key gives 0. Returns float32 ``[B, Hq, Lq, D]``.
     """
+    check_decode_args(q, t, attn_mask)
     kv = dequantize(t)
     b, hq, lq, d = q.shape
     h, length = kv.shape[2], kv.shape[-2]
+    if attn_mask is not None and 1 < attn_mask.shape[-1] < length:
+        raise ValueError(f"decode attn_mask {tuple(attn_mask.shape)} has fewer columns than the "
+                         f"{length} stored tokens")
     k = kv[0].repeat_interleave(hq // h, dim=1)
     v = kv[1].repeat_interleave(hq // h, dim=1)
     tau = d**-0.5 if scale is None else scale
