@@ -179,7 +179,8 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, Factor | KeepTerm | fx.Node | No
     if ADD(node) and len(node.args) == 2 and not node.kwargs:
         scores = _score_operand(node, list(node.args))
         other = node.args[1] if scores is node.args[0] else node.args[0]
-        if scores is not None and _loose_matmul(scores) is None and _loose_matmul(other) is not None:
+        if (scores is not None and not same_shape(shape_of(other), shape_of(node))
+                and _loose_matmul(scores) is None and _loose_matmul(other) is not None):
             return (f"{describe(node)} broadcasts the scores {_shown(shape_of(other))} up to the "
                     f"mask's {_shown(shape_of(node))} (only masks that broadcast to the scores are served)")
         val = tensor_value(other)
