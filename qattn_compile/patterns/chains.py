@@ -56,7 +56,7 @@ from .nodes import (
     tensor_value,
 )
 from .scaling import Factor, as_factor, constant_scale, runtime_factors
-from .site import AttentionSite, module_of, permuted, source_of
+from .site import AttentionSite, module_of, source_of
 
 PATTERN = "matmul_softmax"
 _IDENTITY = Op((), ("contiguous", "clone"))
@@ -89,7 +89,7 @@ def _scores_product(node: fx.Node) -> Contraction | str:
     """The ``Q·Kᵀ`` product at ``node``: an einsum is read with the operand whose own index
     is the output's last (the keys) second, so that its product needs no output permutation."""
     found = _product(node)
-    if isinstance(found, Contraction) and found.out_dims is not None and einsum.is_einsum(node):
+    if isinstance(found, Contraction) and found.out_dims is not None:  # an einsum (a matmul has none)
         swapped = _product(node, swap=True)
         found = swapped if isinstance(swapped, Contraction) and swapped.out_dims is None else found
     if isinstance(found, Contraction) and found.out_dims is not None:

@@ -52,11 +52,11 @@ def _equation_and_operands(node: fx.Node) -> tuple[str, list]:
     return equation, operands
 
 
-def _expand(term: str, rank: int, ellipsis_rank: int | None) -> str | None:
-    """``term`` with ``...`` replaced by stand-in letters; None if it does not fit ``rank``."""
+def _expand(term: str, rank: int, ellipsis_rank: int) -> str | None:
+    """``term`` with ``...`` replaced by ``ellipsis_rank`` stand-in letters; None if it does
+    not fit ``rank``."""
     if "..." not in term:
         return term if len(term) == rank else None
-    ellipsis_rank = rank - (len(term) - 3) if ellipsis_rank is None else ellipsis_rank
     if ellipsis_rank < 0 or len(term) - 3 + ellipsis_rank != rank:
         return None
     return term.replace("...", _ELLIPSIS_LETTERS[:ellipsis_rank])

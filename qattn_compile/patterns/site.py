@@ -11,7 +11,7 @@ from .masks import MaskSpec
 from .nodes import shape_of
 from .scaling import Factor
 
-__all__ = ["AttentionSite", "clean_fqn", "module_of", "permuted", "source_of"]
+__all__ = ["AttentionSite", "clean_fqn", "module_of", "source_of"]
 
 
 @dataclass
@@ -72,7 +72,7 @@ class AttentionSite:
     def op_shapes(self) -> dict[str, tuple | None]:
         """Shapes of q, k, v as the op receives them (after ``*_dims``; sizes may be symbolic,
         ``None`` without a recorded example value)."""
-        return {name: permuted(shape_of(getattr(self, name)), getattr(self, f"{name}_dims"))
+        return {name: _permuted(shape_of(getattr(self, name)), getattr(self, f"{name}_dims"))
                 for name in ("q", "k", "v")}
 
     def shapes(self) -> dict[str, list]:
@@ -81,7 +81,7 @@ class AttentionSite:
                 for name, shape in self.op_shapes().items()}
 
 
-def permuted(shape: tuple | None, dims: tuple[int, ...] | None) -> tuple | None:
+def _permuted(shape: tuple | None, dims: tuple[int, ...] | None) -> tuple | None:
     """``shape`` after ``permute(dims)`` (``None`` dims: unchanged)."""
     if shape is None or dims is None:
         return shape
