@@ -19,6 +19,13 @@ def compile_with_inductor(gm, example_inputs, config_patches: dict | None = None
         return compile_fx(gm, example_inputs, config_patches=config_patches or {})
 
 
+def inductor_modes() -> list[str]:
+    """The ``torch.compile`` mode names Inductor knows (``default``, ``reduce-overhead``, …)."""
+    from torch._inductor import list_mode_options
+
+    return list(list_mode_options())
+
+
 def inductor_mode_options(mode: str | None) -> dict:
     """Inductor config patches of a ``torch.compile`` mode name (e.g. ``reduce-overhead``)."""
     if not mode or mode == "default":

@@ -8,10 +8,12 @@ with ``compiler: eager``.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ OPTION_DOCS = {
     "autotune": "true: time the kernel's tile candidates for every rewritten site while compiling "
     "(cached on disk; mode=\"max-autotune\" implies it); false: never; unset: as each policy "
     "rule's options say",
+    "mode": "a torch.compile mode for Inductor (reduce-overhead, max-autotune, ...), for when "
+    "torch.compile refuses mode= next to options=",
 }
 
 
@@ -49,7 +53,7 @@ class BackendOptions:
     """Overrides every rewritten site's ``autotune`` option when not None."""
 
     @classmethod
-    def parse(cls, options: dict | None, mode: str | None = None) -> "BackendOptions":
+    def parse(cls, options: dict | None) -> "BackendOptions":
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTION_DOCS))
         if unknown:
@@ -71,10 +75,23 @@ class BackendOptions:
         autotune = options.get("autotune")
         if autotune is not None and not isinstance(autotune, bool):
             raise OptionsError(f"option `autotune` must be true or false, got {autotune!r}")
+        mode = _parse_mode(options.get("mode"), compiler)
         if autotune is None and (mode or "").startswith("max-autotune"):
             autotune = True
         return cls(policy=policy, report=Path(report) if report else None, compiler=compiler,
                    mode=mode, autotune=autotune)
+
+
+def _parse_mode(mode: Any, compiler: str) -> str | None:
+    """The ``mode`` option, checked against Inductor's modes."""
+    if mode is None:
+        return None
+    modes = _compat.inductor_modes()
+    if not isinstance(mode, str) or mode not in modes:
+        raise OptionsError(f"option `mode` is {mode!r}; allowed: {', '.join(modes)}")
+    if compiler == "eager" and mode != "default":
+        log.warning("qattn: mode %r is ignored with compiler: eager (no Inductor)", mode)
+    return mode
 
 
 class QattnBackend:
@@ -88,10 +105,10 @@ class QattnBackend:
     warning says so.
     """
 
-    def __init__(self, policy: Any = None, *, mode: str | None = None, **options):
+    def __init__(self, policy: Any = None, **options):
         if policy is not None:
             options["policy"] = policy
-        self.options = BackendOptions.parse(options, mode)
+        self.options = BackendOptions.parse(options)
         self.site_reports: list[SiteReport] = []
         self._graphs = 0
         self._graph_break = False
@@ -157,24 +174,55 @@ def package_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-_backends: dict[tuple[int, str | None], tuple[dict | None, QattnBackend]] = {}
-"""Backends by ``(id(options), mode)``; each entry keeps its options dict alive, so the id
-cannot be reused by another dict."""
+@dataclass
+class _CachedBackend:
+    options: dict | None
+    """The dict ``torch.compile`` passed (kept alive, so its id is not reused)."""
+    snapshot: dict | None
+    """A copy of its contents when the backend was built."""
+    backend: QattnBackend
+
+
+_backends: OrderedDict[tuple[int, str | None], _CachedBackend] = OrderedDict()
+"""Backends by ``(id(options), mode)``, most recently used last."""
+_MAX_BACKENDS = 64
+"""Backends kept for reuse; older ones are dropped (a model compiled that long ago gets a new
+backend, and a new report, if dynamo compiles another of its graphs)."""
 _last: list[QattnBackend] = []
+
+
+def _snapshot(options: dict | None) -> dict | None:
+    """A copy of ``options`` to compare later calls with (a shallow one when a value cannot
+    be deep-copied)."""
+    if options is None:
+        return None
+    try:
+        return copy.deepcopy(options)
+    except Exception:  # noqa: BLE001 - any value a user may put in options
+        return dict(options)
 
 
 def qattn_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
     """Entry point registered as dynamo backend ``qattn``.
 
     ``torch.compile`` passes the same ``options`` dict object for every graph of one compiled
-    model, so the backend instance (and its report) is shared across graph breaks. Compiles
-    without options (``torch.compile`` passes None, also whenever ``mode`` is given) share
-    one backend per mode: their site reports accumulate in :func:`last_backend`.
+    model, so the backend instance (and its report) is shared across graph breaks. A dict
+    whose contents changed since (one dict reused for another compile) gets a new backend.
+    Compiles without options (``torch.compile`` passes None, also whenever ``mode`` is given)
+    share one backend per mode: their site reports accumulate in :func:`last_backend`.
     """
     key = (id(options), mode)
-    if key not in _backends:
-        _backends[key] = (options, QattnBackend(mode=mode, **dict(options or {})))
-    return _backends[key][1](gm, example_inputs)
+    cached = _backends.get(key)
+    if cached is None or cached.options is not options or cached.snapshot != options:
+        settings = dict(options or {})
+        if mode is not None:  # torch.compile(mode=...) without options
+            settings["mode"] = mode
+        cached = _CachedBackend(options, _snapshot(options), QattnBackend(**settings))
+        _backends[key] = cached
+        while len(_backends) > _MAX_BACKENDS:
+            _backends.popitem(last=False)
+    _backends.move_to_end(key)
+    return cached.backend(gm, example_inputs)
 
 
 def backend(policy: Any = None, **options) -> QattnBackend:

@@ -80,19 +80,20 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, ena
                 f"attn_mask of shape {tuple(attn_mask.shape)} has more dims than query "
                 f"{tuple(q.shape)}"
             )
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
             raise ValueError(
-                f"Expected attn_mask dtype to be bool or to match query dtype, but got "
-                f"attn_mask.dtype: {attn_mask.dtype} and query.dtype: {q.dtype} instead."
+                f"Expected attn_mask dtype to be bool or floating point, got {attn_mask.dtype}"
             )
         target = (*q.shape[:-1], k.shape[-2])
         try:
-            torch.broadcast_shapes(attn_mask.shape, target)
+            broadcast = torch.broadcast_shapes(attn_mask.shape, target)
         except RuntimeError:
+            broadcast = None
+        if broadcast != torch.Size(target):
             raise ValueError(
                 f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to the "
                 f"attention scores' shape {target}"
-            ) from None
+            )
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask is on {attn_mask.device}, query on {q.device}")
 
@@ -132,13 +133,23 @@ def attention(
     """Quantized attention with the semantics of ``F.scaled_dot_product_attention``.
 
     ``preset`` names a method (see :mod:`qattn_compile.presets`); ``**options`` are that
-    preset's options. ``preset="none"`` calls PyTorch's SDPA. Dropout is not supported
-    (inference only): a non-zero ``dropout_p`` raises.
+    preset's options. ``preset="none"`` calls PyTorch's SDPA. Inference only: a non-zero
+    ``dropout_p``, or inputs that require grad while grad mode is on, raise (there is no
+    backward). A float mask may have any float dtype (it is added in float32).
     """
     resolved = resolve_options(preset, options)
     _check_inputs(q, k, v, attn_mask, enable_gqa)
     if dropout_p:
         raise ValueError(f"qattn attention is inference-only: dropout_p must be 0, got {dropout_p}")
+    if preset != "none" and torch.is_grad_enabled():
+        needs_grad = [name for name, t in (("query", q), ("key", k), ("value", v),
+                                           ("attn_mask", attn_mask))
+                      if t is not None and t.requires_grad]
+        if needs_grad:
+            raise ValueError(
+                f"qattn attention is inference-only: {', '.join(needs_grad)} requires grad. "
+                "Call it under torch.no_grad() or torch.inference_mode(), or detach the inputs; "
+                "for training use F.scaled_dot_product_attention (preset='none')")
     if preset == "none":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa

@@ -225,6 +225,80 @@ def test_unwritable_cache_dir_is_reported_and_the_result_still_used(tmp_path, mo
     assert _tune(lambda cfg, inputs: pytest.fail("re-tuned")) == AttentionConfig(32, 32, 4, 1)
 
 
+@pytest.mark.parametrize("entries", [[], None, "x"])
+def test_cache_whose_entries_are_not_a_mapping_is_reported_and_replaced(entries, caplog):
+    path = autotune.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": autotune.CACHE_VERSION, "entries": entries}))
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.kernels.autotune"):
+        assert _tune(lambda cfg, inputs: float(cfg.block_m)) == AttentionConfig(32, 32, 4, 1)
+    assert "not a mapping" in caplog.text
+    assert len(json.loads(path.read_text())["entries"]) == 1
+
+
+@pytest.mark.parametrize("stored", [
+    {"block_m": "64", "block_n": 32, "num_warps": 4, "num_stages": 1},  # a hand-edited type
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1},  # not a candidate now
+])
+def test_cached_tile_that_is_not_a_candidate_is_tuned_again(stored, caplog):
+    name = _key().text(CPU)
+    path = autotune.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": autotune.CACHE_VERSION,
+                                "entries": {name: {"config": stored}}}))
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.kernels.autotune"):
+        assert _tune(lambda cfg, inputs: float(cfg.block_m)) == AttentionConfig(32, 32, 4, 1)
+    assert autotune.stats["tuned"] == 1 and autotune.stats["hits"] == 0
+    stored_now = json.loads(path.read_text())["entries"][name]["config"]
+    assert AttentionConfig(**stored_now) == AttentionConfig(32, 32, 4, 1)
+
+
+def test_every_length_of_a_bucket_gets_the_same_candidates(monkeypatch):
+    """Calls whose lengths share a power-of-two bucket share a cache entry, so their candidate
+    sets must match (else a cached tile of one is not a candidate of the other, and each
+    re-tunes): the capped long-sequence tile is a candidate below its 4096 keys too."""
+    monkeypatch.setattr(heuristics, "arch_of", lambda device: "sm90")
+    for preset, dim in [("sage2_8b", 128), ("fp8", 64), ("int_flash", 64)]:
+        args = dict(smooth_q=preset == "sage2_8b", v_block=128 if preset == "fp8" else 0,
+                    causal_only=True, register_cap=True)
+        sets = {frozenset(attention_candidates(preset, dim, CPU, keys=n, **args))
+                for n in (2049, 3000, 4096)}
+        assert len(sets) == 1, preset
+        assert any(cfg.maxnreg for cfg in sets.pop()), preset
+
+
+def test_cache_dir_with_a_tilde_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(autotune.CACHE_DIR_ENV, "~/qattn-cache")
+    assert autotune.cache_path() == tmp_path / "qattn-cache" / autotune.CACHE_FILE
+
+
+@pytest.mark.skipif(autotune.fcntl is None, reason="no fcntl: cache writes are not locked")
+def test_a_write_waits_for_another_writer_and_keeps_its_entry():
+    """Two processes tuning at once: the second writer reads the file only after the first
+    has replaced it, so both entries survive (without the lock the first one's replace,
+    made from what it read before, dropped the second's entry)."""
+    import subprocess
+    import sys
+    import time
+
+    path = autotune.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    code = ("from pathlib import Path; from qattn_compile.kernels import autotune; "
+            f"autotune._write(Path({str(path)!r}), 'B', {{'config': {{}}}})")
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        autotune.fcntl.flock(lock, autotune.fcntl.LOCK_EX)
+        entries = autotune._read(path)  # this writer's read, before the other one writes
+        other = subprocess.Popen([sys.executable, "-c", code])
+        time.sleep(1.0)
+        assert other.poll() is None, "the other writer did not wait for the lock"
+        entries["A"] = {"config": {}}
+        path.write_text(json.dumps({"version": autotune.CACHE_VERSION, "entries": entries}))
+        autotune.fcntl.flock(lock, autotune.fcntl.LOCK_UN)
+    assert other.wait(timeout=120) == 0
+    assert set(json.loads(path.read_text())["entries"]) == {"A", "B"}
+
+
 def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 

@@ -59,6 +59,8 @@ def test_backend_registered_via_entry_point_without_import():
         ({"compiler": "tvm"}, "allowed: inductor, eager"),
         ({"strict": "yes"}, "`strict` must be true or false"),
         ({"report": 5}, "`report` must be a file path"),
+        ({"mode": "max-autotun"}, "option `mode` is 'max-autotun'; allowed: default, .*reduce-overhead"),
+        ({"mode": 5}, "option `mode` is 5; allowed"),
     ],
 )
 def test_bad_options_are_clear_errors(options, message):
@@ -204,6 +206,32 @@ def test_strict_waits_for_the_later_graphs_of_a_graph_break(caplog):
     assert [(r.fqn, r.status) for r in be.site_reports] == [("a1", LEFT_ALONE), ("a2", REWRITTEN)]
     assert [line.split(" (")[0] for line in be.unmatched_rules()] == ["rule 1"]
     assert "graph break" in caplog.text and "strict: true is not enforced" in caplog.text
+
+
+def test_an_options_dict_changed_between_compiles_gets_a_new_backend():
+    """One dict reused (and changed) for a second torch.compile: the second compile follows
+    the new contents, not the backend built from the first."""
+    q = torch.randn(1, 2, 8, 16)
+    options = {"compiler": "eager", "policy": {"qattn": 1, "default": "flash"}}
+    torch.compile(Attention(), backend="qattn", options=options)(q)
+    first = qattn_compile.last_backend()
+    options["policy"] = {"qattn": 1, "default": "none"}
+    _compat.reset_dynamo()
+    torch.compile(Attention(), backend="qattn", options=options)(q)
+    second = qattn_compile.last_backend()
+    assert second is not first
+    assert [(r.status, r.preset) for r in first.site_reports] == [(REWRITTEN, "flash")]
+    assert [(r.status, r.preset) for r in second.site_reports] == [(LEFT_ALONE, "none")]
+
+
+def test_mode_among_the_options():
+    """torch.compile refuses mode= next to options=: the mode can be an option instead."""
+    q = torch.randn(1, 2, 8, 16)
+    options = {"compiler": "eager", "mode": "max-autotune-no-cudagraphs"}
+    torch.compile(Attention(), backend="qattn", options=options)(q)
+    be = qattn_compile.last_backend()
+    assert be.options.mode == "max-autotune-no-cudagraphs" and be.options.autotune is True
+    assert qattn_compile.backend(mode="reduce-overhead").options.mode == "reduce-overhead"
 
 
 def test_compiles_without_options_share_a_backend_per_mode():

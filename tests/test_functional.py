@@ -89,6 +89,31 @@ def test_bad_mask_and_dropout():
         qattn_compile.attention(q, k, v, attn_mask=torch.ones(19, 23, dtype=torch.int32), preset="flash")
     with pytest.raises(ValueError, match="dropout_p must be 0"):
         qattn_compile.attention(q, k, v, dropout_p=0.1, preset="flash")
+    # broadcastable both ways, but larger than the scores [2, 4, 19, 23]
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 1, 19, 23\) is not broadcastable"):
+        qattn_compile.attention(q, k, v, attn_mask=torch.ones(3, 1, 19, 23, dtype=torch.bool),
+                                preset="flash")
+
+
+def test_float_mask_of_another_float_dtype_is_added_as_sdpa_adds_it():
+    q, k, v = (t.half() for t in _qkv(hkv=4))
+    mask = torch.randn(2, 1, 19, 23, dtype=torch.float64)
+    out = qattn_compile.attention(q, k, v, attn_mask=mask, preset="flash")
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert out.dtype == torch.float16
+    assert compare(out, ref)["rel_l1"] < 2e-3
+
+
+def test_inputs_that_require_grad_are_refused_by_name():
+    q, k, v = _qkv(hkv=4)
+    k.requires_grad_(True)
+    with pytest.raises(ValueError, match="inference-only: key requires grad"):
+        qattn_compile.attention(q, k, v, preset="int_flash")
+    with torch.no_grad():
+        assert qattn_compile.attention(q, k, v, preset="int_flash").shape == (2, 4, 19, 32)
+    out = qattn_compile.attention(q, k, v, preset="none")  # SDPA itself, with its backward
+    out.sum().backward()
+    assert k.grad is not None
 
 
 def test_fully_masked_rows_are_zero_not_nan():

@@ -20,9 +20,12 @@ GPU (Triton's ``OutOfResources``) is skipped.
 
 Where results live. In memory, and in ``<cache dir>/autotune.json`` (``$QATTN_CACHE_DIR``,
 default ``~/.cache/qattn``) under the key's text plus the environment (GPU name, torch and
-Triton versions, a hash of the kernel's source): a second compile, in this process or a new
-one, does not time again, and a different GPU, Triton or kernel does. Batch and lengths
-are keyed by their power-of-two bucket. :data:`stats` counts tunings and cache hits.
+Triton versions, a hash of the sources of ``kernels/`` and ``blocks.py``): a second compile,
+in this process or a new one, does not time again, and a different GPU, Triton or kernel
+does. Batch and lengths are keyed by their power-of-two bucket. A cached tile that is not
+among the call's candidates (a hand-edited file, changed constraints) is tuned again.
+Writers lock ``autotune.json.lock`` around their read-merge-replace. :data:`stats` counts
+tunings and cache hits.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ import triton
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
+try:
+    import fcntl
+except ImportError:  # not on Windows: cache writes are then not locked
+    fcntl = None
+
 from .. import _compat
 from .heuristics import AttentionConfig
 
@@ -56,9 +64,10 @@ CACHE_DIR_ENV = "QATTN_CACHE_DIR"
 CACHE_FILE = "autotune.json"
 CACHE_VERSION = 1
 """Bumped when the file's layout changes (older files are then ignored)."""
-_KERNEL_SOURCES = ("attention.py", "primitives.py", "heuristics.py")
-"""Files of this package whose text is the kernel or its launch (the grid order of
-:func:`.heuristics.grid_head_group`): a change re-tunes."""
+_KERNEL_SOURCES = ("kernels/*.py", "blocks.py")
+"""Files (globs under the package) whose text is the kernel, its launch and the tile
+constraints (the grid order of :func:`.heuristics.grid_head_group`, the scale groups of
+:mod:`qattn_compile.blocks`): a change re-tunes."""
 
 stats: Counter = Counter()
 """``tuned``: keys timed in this process; ``hits``: keys served from memory or disk."""
@@ -152,8 +161,11 @@ def _environment(device: torch.device) -> dict:
     """What else a timing depends on: the GPU, the library versions, the kernel source
     (computed once per device: every eager call with ``autotune`` looks its key up)."""
     source = hashlib.sha256()
-    for name in _KERNEL_SOURCES:
-        source.update((Path(__file__).parent / name).read_bytes())
+    package = Path(__file__).parent.parent
+    for pattern in _KERNEL_SOURCES:
+        for path in sorted(package.glob(pattern)):
+            source.update(path.relative_to(package).as_posix().encode())
+            source.update(path.read_bytes())
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
     else:
@@ -163,9 +175,16 @@ def _environment(device: torch.device) -> dict:
 
 
 def cache_path() -> Path:
-    """``$QATTN_CACHE_DIR/autotune.json`` (default directory ``~/.cache/qattn``)."""
-    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "qattn"
-    return Path(root) / CACHE_FILE
+    """``$QATTN_CACHE_DIR/autotune.json`` (``~`` expanded; default directory
+    ``~/.cache/qattn``, or ``<temp dir>/qattn`` where no home directory is known)."""
+    root = os.environ.get(CACHE_DIR_ENV)
+    if root:
+        return Path(root).expanduser() / CACHE_FILE
+    try:
+        home = Path.home()
+    except RuntimeError:  # no HOME and no passwd entry
+        return Path(tempfile.gettempdir()) / "qattn" / CACHE_FILE
+    return home / ".cache" / "qattn" / CACHE_FILE
 
 
 def _read(path: Path) -> dict[str, dict]:
@@ -181,18 +200,27 @@ def _read(path: Path) -> dict[str, dict]:
     if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
         logger.warning("qattn autotune: ignoring cache %s (not version %d)", path, CACHE_VERSION)
         return {}
-    return data.get("entries", {})
+    entries = data.get("entries", {})
+    if not isinstance(entries, dict):
+        logger.warning("qattn autotune: ignoring cache %s (its entries are not a mapping)", path)
+        return {}
+    return entries
 
 
 def _write(path: Path, name: str, entry: dict) -> None:
-    """Add one entry to the cache file (read, merge, replace atomically)."""
-    entries = _read(path)
-    entries[name] = entry
+    """Add one entry to the cache file (read, merge, replace atomically), holding an exclusive
+    lock on ``<file>.lock`` where the platform has ``fcntl``, so that two processes tuning at
+    once keep both their entries."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = _read(path)
+        entries[name] = entry
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
 
 
 def _cached(name: str, path: Path) -> AttentionConfig | None:
@@ -204,7 +232,7 @@ def _cached(name: str, path: Path) -> AttentionConfig | None:
         return None
     try:
         cfg = AttentionConfig(**entry["config"])
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         logger.warning("qattn autotune: ignoring malformed cache entry in %s (%s)", path, exc)
         return None
     _memory[name] = cfg
@@ -271,9 +299,12 @@ def tuned_config(
     """
     name, path = key.text(device), cache_path()
     cfg = _cached(name, path)
-    if cfg is not None:
+    if cfg is not None and cfg in candidates:
         stats["hits"] += 1
         return cfg
+    if cfg is not None:  # e.g. a hand-edited file, or tile constraints that changed
+        logger.warning("qattn autotune: cached tile %s is not a candidate for %s; tuning again",
+                       cfg, key)
     timings: dict[AttentionConfig, float] = {}
     with _compat.outside_tracing():
         inputs = make_inputs()

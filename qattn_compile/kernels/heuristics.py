@@ -487,14 +487,18 @@ def attention_candidates(
     register_cap: bool = False,
 ) -> list[AttentionConfig]:
     """The configs :mod:`.autotune` times for ``preset`` at ``head_dim`` on ``device``: the
-    table entry for the call (arguments as :func:`attention_config`) first, then the arch's
-    candidates, each shrunk to the constraints that apply, without duplicates. A candidate
-    may still not fit the GPU's shared memory; the tuner skips those."""
+    table entry for the call (arguments as :func:`attention_config`) first, then the
+    long-sequence entry (the register-capped one where the launch takes a cap) and the arch's
+    candidates, each shrunk to the constraints that apply, without duplicates. Every call of
+    one autotune key (lengths bucketed to powers of two) gets the same set, in whatever
+    order. A candidate may still not fit the GPU's shared memory; the tuner skips those."""
     arch = arch_of(device)
     first = _fitted_table_config(preset, head_dim, arch, dtype, native_pv, keys, unmasked,
                                  causal_only, register_cap, v_block, smooth_q)
+    long_sequence = _fitted_table_config(preset, head_dim, arch, dtype, native_pv, None,
+                                         unmasked, causal_only, register_cap, v_block, smooth_q)
     out: list[AttentionConfig] = [first]
-    for cfg in _CANDIDATES[(arch, padded_dim(head_dim))]:
+    for cfg in (long_sequence, *_CANDIDATES[(arch, padded_dim(head_dim))]):
         cfg = _constrained(cfg, v_block, smooth_q)
         if cfg not in out:
             out.append(cfg)
