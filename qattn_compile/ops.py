@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .presets import options_from_json
+from .errors import PolicyError
+from .presets import PresetOptions, options_from_json
 
 OP_NAMESPACE = "qattn"
 
@@ -79,7 +80,7 @@ def _run(q, k, v, attn_mask, is_causal, scale, preset, options, *, output_like_q
     """The body of both ops: the Triton kernels on CUDA (output stored as
     :func:`output_buffer` says for q when ``output_like_q``, else contiguous), the reference
     elsewhere."""
-    resolved = options_from_json(preset, options)
+    resolved = _op_options(preset, options)
     if q.device.type == "cuda":
         from .kernels import kernel_attention
 
@@ -90,8 +91,18 @@ def _run(q, k, v, attn_mask, is_causal, scale, preset, options, *, output_like_q
     return reference_attention(q, k, v, attn_mask, is_causal, scale, preset, resolved)
 
 
+def _op_options(preset: str, options: str) -> PresetOptions:
+    """The op's ``preset`` and ``options`` validated (named errors, not a ``KeyError``, for a
+    direct call of the op with a preset it does not serve or options that do not parse)."""
+    if preset == "none":
+        raise PolicyError("torch.ops.qattn.attention serves the presets other than 'none' "
+                          "(for the original attention, call F.scaled_dot_product_attention)")
+    return options_from_json(preset, options)
+
+
 @attention.register_fake
 def _attention_fake(q, k, v, attn_mask, is_causal, scale, preset, options):
+    _op_options(preset, options)  # a bad preset or options fail while tracing, not at run time
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

@@ -90,7 +90,8 @@ instead of the built-in table. It changes launch parameters, not the math, excep
 from __future__ import annotations
 
 import functools
-from typing import Literal
+import json
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -159,6 +160,10 @@ class IntFlashOptions(KernelOptions):
     p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
 
 
+Amax = Annotated[StrictFloat, Field(ge=0.0)]
+"""A calibrated amax: a float, at least 0 (0 for a head that was all zeros)."""
+
+
 class StaticScales(BaseModel):
     """Calibrated α of one ``fmha_int8`` site (static mode): amax values, not α/127.
 
@@ -169,10 +174,10 @@ class StaticScales(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    q: tuple[StrictFloat, ...] | StrictFloat = Field(description="α_q: amax of Q per query head.")
-    k: tuple[StrictFloat, ...] | StrictFloat = Field(description="α_k: amax of K per kv head.")
-    v: tuple[StrictFloat, ...] | StrictFloat = Field(description="α_v: amax of V per kv head.")
-    o: tuple[StrictFloat, ...] | StrictFloat | None = Field(
+    q: tuple[Amax, ...] | Amax = Field(description="α_q: amax of Q per query head.")
+    k: tuple[Amax, ...] | Amax = Field(description="α_k: amax of K per kv head.")
+    v: tuple[Amax, ...] | Amax = Field(description="α_v: amax of V per kv head.")
+    o: tuple[Amax, ...] | Amax | None = Field(
         None, description="α_o: amax of O per query head (used with quantize_output)."
     )
 
@@ -340,17 +345,30 @@ def resolve_options(preset: str, options: dict | PresetOptions | None = None) ->
 @functools.lru_cache(maxsize=512)
 def options_from_json(preset: str, text: str) -> PresetOptions:
     """Inverse of :meth:`PresetOptions.to_json` (used by the graph op on every call, hence
-    cached: the options are frozen, and a graph holds a handful of distinct texts)."""
-    return PRESET_OPTIONS[preset].model_validate_json(text)
+    cached: the options are frozen, and a graph holds a handful of distinct texts). Text
+    that is not a JSON object of ``preset``'s options raises :class:`PolicyError` as
+    :func:`resolve_options` does."""
+    if preset not in PRESET_OPTIONS:
+        raise PolicyError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESET_NAMES)}")
+    try:
+        settings = json.loads(text)
+    except ValueError as exc:
+        raise PolicyError(f"options of preset {preset!r} are not JSON ({exc}): {text!r}") from None
+    if not isinstance(settings, dict):
+        raise PolicyError(f"options of preset {preset!r} must be a JSON object, got {text!r}")
+    return resolve_options(preset, settings)
 
 
-def resolve_static_scales(preset: str, options: PresetOptions, explicit=None, device=None):
+def resolve_static_scales(preset: str, options: PresetOptions, explicit=None, device=None,
+                          heads: tuple[int, int] | None = None):
     """The calibrated α a call of ``preset`` uses, or ``None`` in dynamic mode.
 
     ``explicit`` (a mapping ``{"q", "k", "v"[, "o"]}`` of floats or tensors broadcastable to
     ``[B, H, 1]``) wins over the options' own ``static_scales`` (filled in per site from the
-    calibration file by the rewrite). Raises ``ValueError`` when scales are given to a
-    preset that does not use them, or when static ``fmha_int8`` has none or lacks a key.
+    calibration file by the rewrite). ``heads``: the call's ``(query heads, kv heads)``, which
+    per-head α must match (``q``/``o`` per query head, ``k``/``v`` per kv head). Raises
+    ``ValueError`` when scales are given to a preset that does not use them, when static
+    ``fmha_int8`` has none or lacks a key, or when a key's head count does not match.
     """
     static = preset == "fmha_int8" and options.scales == "static"
     if not static:
@@ -365,10 +383,26 @@ def resolve_static_scales(preset: str, options: PresetOptions, explicit=None, de
     needed = ["q", "k", "v"] + (["o"] if options.quantize_output else [])
     if scales is None:
         raise ValueError(
-            f"fmha_int8 with `scales: static` needs static_scales with keys {needed} "
-            f"(calibration file {options.calibration!r} was not resolved for this site)"
+            f"fmha_int8 with `scales: static` needs static_scales with keys {needed}: "
+            + (f"the calibration file {options.calibration!r} is read per site by the "
+               "torch.compile backend's rewrite; an eager call takes static_scales={...}"
+               if options.calibration else "none were given")
         )
     missing = [key for key in needed if key not in scales]
     if missing:
         raise ValueError(f"static_scales lacks {missing}; fmha_int8 static needs keys {needed}")
+    if heads is not None:
+        for key in needed:
+            count = heads[0] if key in ("q", "o") else heads[1]
+            given = scales[key]
+            dims = getattr(given, "shape", ())
+            n = dims[-2] if len(dims) >= 2 else 1
+            if len(dims) == 1 and dims[0] != 1 or len(dims) >= 2 and dims[-1] != 1:
+                raise ValueError(f"static_scales[{key!r}] of shape {tuple(dims)} must "
+                                 "broadcast to [B, H, 1]")
+            if n not in (1, count):
+                raise ValueError(
+                    f"static_scales[{key!r}] holds {n} values per batch, for "
+                    f"{'query' if key in ('q', 'o') else 'key/value'} heads; this call has "
+                    f"{count} (give one per head, or one for all)")
     return scales

@@ -162,3 +162,49 @@ def test_empty_inputs_give_what_sdpa_gives(preset):
     q, k, v = _qkv(hkv=4)
     with pytest.raises(ValueError, match=r"head dim 0 \(q \(2, 4, 19, 0\)"):
         qattn_compile.attention(q[..., :0], k[..., :0], v, preset=preset)
+
+
+@pytest.mark.parametrize("preset, options, message", [
+    ("bogus", "{}", "unknown preset 'bogus'"),
+    ("none", "{}", "serves the presets other than 'none'"),
+    ("int_flash", "{not json", "options of preset 'int_flash' are not JSON"),
+    ("int_flash", "[]", "must be a JSON object"),
+    ("int_flash", '{"p_scale": "x"}', "field `p_scale`"),
+])
+def test_the_op_called_directly_names_a_bad_preset_or_options(preset, options, message):
+    """The graph op, called by hand, and its fake (what tracing runs) give the library's
+    named errors instead of a KeyError or pydantic's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(qattn_compile.PolicyError, match=message):
+        torch.ops.qattn.attention(q, q, q, None, False, None, preset, options)
+    with FakeTensorMode():
+        fake = torch.randn(1, 2, 8, 16)
+        with pytest.raises(qattn_compile.PolicyError, match=message):
+            torch.ops.qattn.attention(fake, fake, fake, None, False, None, preset, options)
+
+
+@pytest.mark.parametrize("static_scales, message", [
+    ({"q": (1.0, 2.0), "k": 1.0, "v": 1.0}, r"static_scales\['q'\] holds 2 values .* this call has 4"),
+    ({"q": 1.0, "k": (1.0, 1.0, 1.0, 1.0), "v": 1.0}, r"static_scales\['k'\] holds 4 .*key/value heads; this call has 2"),
+])
+def test_static_scales_per_head_must_match_the_heads(static_scales, message):
+    q, k, v = _qkv()  # 4 query heads, 2 kv heads
+    with pytest.raises(ValueError, match=message):
+        qattn_compile.attention(q, k, v, enable_gqa=True, preset="fmha_int8", scales="static",
+                                static_scales=static_scales)
+    ok = {"q": (1.0, 2.0, 3.0, 4.0), "k": (3.0, 3.0), "v": 4.0}
+    out = qattn_compile.attention(q, k, v, enable_gqa=True, preset="fmha_int8", scales="static",
+                                  static_scales=ok)
+    assert out.shape == (2, 4, 19, 32) and not out.isnan().any()
+
+
+def test_static_scales_are_not_negative_and_calibration_files_need_the_backend():
+    q, k, v = _qkv(hkv=4)
+    with pytest.raises(qattn_compile.PolicyError, match="greater than or equal to 0"):
+        qattn_compile.attention(q, k, v, preset="fmha_int8", scales="static",
+                                static_scales={"q": 1.0, "k": -3.0, "v": 1.0})
+    with pytest.raises(ValueError, match="read per site by the torch.compile backend"):
+        qattn_compile.attention(q, k, v, preset="fmha_int8", scales="static",
+                                calibration="scales.pt")

@@ -847,6 +847,78 @@ def test_flash_fp32_matches_exact_and_strided_inputs():
         )
 
 
+# Offsets past 2**31 elements, without the memory: a lazily committed storage (untouched
+# pages cost nothing) holding a few [32, 32] heads HEAD_STRIDE elements apart, so that the
+# last head starts past 2**31 while every stride still fits 32 bits (Triton then passes it
+# as int32). The view starts 2**31 elements in, so that the address a 32-bit offset would
+# wrap to lies inside the storage, where zeros are planted: wrapped reads see them.
+HEAD_STRIDE = 3 * 2**29
+WRAP = 2**32
+
+
+def _far_apart_heads(heads=3, tokens=32, dim=32):
+    """``[1, heads, tokens, dim]`` float16 N(0, 1) heads ``HEAD_STRIDE`` apart (the last one
+    past 2**31 elements), the wrapped addresses of those past 2**31 zeroed; None when the
+    machine will not reserve the address space (~11 GB)."""
+    start, n = 2**31, tokens * dim
+    try:
+        storage = torch.empty(start + (heads - 1) * HEAD_STRIDE + n, dtype=torch.float16)
+    except RuntimeError:
+        return None
+    x = storage.as_strided((1, heads, tokens, dim), (heads * HEAD_STRIDE, HEAD_STRIDE, dim, 1),
+                           storage_offset=start)
+    for h in range(heads):
+        x[0, h].copy_(torch.randn(tokens, dim))
+        if h * HEAD_STRIDE >= WRAP - start:  # its 32-bit offset wraps
+            wrapped = start + h * HEAD_STRIDE - WRAP
+            storage[wrapped:wrapped + n].zero_()
+    return x
+
+
+def test_offsets_past_2_to_the_31_elements_do_not_wrap():
+    """Quantizers and the attention kernel address heads past 2**31 elements of an operand
+    (the first element of head 2 here) in 64 bits (in 32 they read the zeros planted where
+    the offset wraps: scales ~1e-15 and all-zero codes)."""
+    x = _far_apart_heads()
+    if x is None:
+        pytest.skip("cannot reserve ~11 GB of address space")
+    dense = x.contiguous()
+    for group in (1, 32 * 32 + 1):  # per token; per tensor (the statistics passes)
+        got, want = kq.quantize_int(x, group, 8), kq.quantize_int(dense, group, 8)
+        assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale), group
+    got, want = kq.quantize_fp8(x, 16), kq.quantize_fp8(dense, 16)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    k, v = torch.randn(2, 1, 3, 32, 32, dtype=torch.float16)
+    torch.testing.assert_close(kernel_attention(x, k, v, preset="flash"),
+                               kernel_attention(dense, k, v, preset="flash"))
+
+
+def test_delta_s_rows_past_2_to_the_31_elements_do_not_wrap():
+    """ΔS ``[B, Hq, n_blocks, Lkv]`` passes 2**31 elements from ~93K tokens at B=1 and 32
+    query heads. Here the last of 65 heads' rows starts past 2**31 floats (the kernel computes
+    one key tile per head into a lazily committed storage): it must land there, not at the
+    32-bit wrapped address."""
+    heads, n_blocks, dim, block_t = 65, 2, 32, 32
+    lkv = 2**24 + 64
+    last = (heads - 1) * n_blocks * lkv  # the last head's row 0, key 0: past 2**31
+    start = 2**31  # keeps a wrapped address inside the storage
+    try:
+        storage = torch.empty(start + heads * n_blocks * lkv, dtype=torch.float32)
+    except RuntimeError:
+        pytest.skip("cannot reserve ~17 GB of address space")
+    out = storage[start:]
+    for row in range(heads * n_blocks):  # the entries the kernel writes, and the wrapped one
+        out[row * lkv:row * lkv + block_t].zero_()
+    storage[start + last - WRAP:start + last - WRAP + block_t].zero_()
+    q_mean = torch.randn(1, heads, n_blocks, dim)
+    k = torch.randn(1, 1, block_t, dim)
+    kq._delta_s_kernel[(1, 1, heads)](
+        q_mean, k, q_mean, out, lkv, dim, n_blocks, heads, heads, 1.0, *k.stride(),
+        SUB_K_MEAN=False, PRECISION="ieee", SPLIT_Q=False, CAUSAL=False,
+        Q_BLOCK=SMOOTH_Q_BLOCK, TILES=1, BLOCK_T=block_t, BLOCK_B=16, BLOCK_D=dim)
+    torch.testing.assert_close(out[last:last + block_t], q_mean[0, -1, 0] @ k[0, 0].T)
+
+
 def test_dv_differs_from_d_and_empty_keys():
     q, k, v = make_qkv(lq=20, lkv=40, d=64, dv=32)
     for preset in ("flash", "int_flash", "sage2_8b"):

@@ -363,12 +363,15 @@ def pv_product(p, v, v_colsum, P_FMT: tl.constexpr, DOT_PRECISION: tl.constexpr)
 def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
                      MASK_MODE: tl.constexpr):
     """Apply the tensor mask to scores ``s`` ``[BLOCK_M, BLOCK_N]`` (log2 units): bool False
-    → ``-inf``, additive values added in log2 units (:func:`additive_bias_log2`). The load is predicated on the tile's
-    summary ``code`` being mixed (a full tile reads nothing and changes nothing), so no
-    branch stops the loop's loads from being pipelined."""
+    → ``-inf``, additive values added in log2 units (:func:`additive_bias_log2`).
+    ``mask_base`` points at the query tile's first row (``offs_m[0]``). The load is predicated
+    on the tile's summary ``code`` being mixed (a full tile reads nothing and changes
+    nothing), so no branch stops the loop's loads from being pipelined."""
     mixed = (tl.zeros_like(offs_n) + code) == TILE_MIXED  # the scalar code as a [BLOCK_N] row
     inside = (offs_m[:, None] < Lq) & ((offs_n < Lkv) & mixed)[None, :]
-    ptrs = mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn
+    rows = tl.arange(0, offs_m.shape[0])  # from the tile's first row (mask_base), so that
+    # row offsets stay in 32 bits for masks of more than 2**31 elements
+    ptrs = mask_base + rows[:, None] * smm + offs_n[None, :] * smn
     if MASK_MODE == MASK_BOOL:
         keep = tl.load(ptrs, mask=inside, other=1)
         s = tl.where(keep != 0, s, float("-inf"))
@@ -560,7 +563,8 @@ def attention_kernel(
     thr_log2 = tl.cast(thr_log2, tl.float32)
     c0, c1 = tl.cast(c0, tl.float32), tl.cast(c1, tl.float32)
     c2, c3 = tl.cast(c2, tl.float32), tl.cast(c3, tl.float32)
-    pid_bh = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    # 64-bit (batch, head) offsets: operands, ΔS and masks may pass 2**31 elements
+    pid_bh = (tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
     if pid_bh >= n_bh:
         return
     pid_m = tl.program_id(1)
@@ -581,7 +585,7 @@ def attention_kernel(
     ks_base = ks_ptr + b * sksb + hkv * sksh
     vs_base = vs_ptr + b * svsb + hkv * svsh
     ds_row = ds_ptr + b * sdsb + hq * sdsh + (start_m // DS_GROUP) * sdsg
-    mask_base = mask_ptr + b * smb + hq * smh
+    mask_base = mask_ptr + b * smb + hq * smh + start_m.to(tl.int64) * smm  # the tile's first row
     cs_base = cs_ptr + b * scsb + hkv * scsh
     if USE_TMA:
         k_desc, v_desc = kv_descriptors(k_base, v_base, Lkv, skl, svl, svd, QK_FMT, V_FMT,

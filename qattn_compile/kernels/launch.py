@@ -452,15 +452,16 @@ class PreparedAttention:
 
 
 def _resolve(
-    preset: str, options, static_scales, device: torch.device
+    preset: str, options, static_scales, q: Tensor, k: Tensor
 ) -> tuple[PresetOptions, Mapping | None]:
     """Validated options of ``preset`` and the static scales it uses: fmha_int8 with
     ``scales: static`` reads the ``static_scales`` argument, else the options' own
-    ``static_scales`` (filled in per site from the calibration file)."""
+    ``static_scales`` (filled in per site from the calibration file), per head of ``q``/``k``."""
     if preset not in _PREPARE:
         raise ValueError(f"qattn kernels cannot run preset {preset!r}: it has no kernel")
     opts = resolve_options(preset, options)
-    return opts, resolve_static_scales(preset, opts, static_scales, device)
+    heads = (q.shape[1], k.shape[1]) if q.dim() == k.dim() == 4 else None  # else refused later
+    return opts, resolve_static_scales(preset, opts, static_scales, q.device, heads=heads)
 
 
 def _check_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, preset: str) -> None:
@@ -505,7 +506,7 @@ def prepare_attention(
     ``config`` if given, else from :mod:`.autotune` when the options say ``autotune``, else
     from the table of :mod:`.heuristics`; mask summary from :mod:`.mask`).
     Arguments as :func:`kernel_attention`; ``Lq`` and ``Lkv`` must be positive."""
-    opts, static = _resolve(preset, options, static_scales, q.device)
+    opts, static = _resolve(preset, options, static_scales, q, k)
     _check_call(q, k, v, attn_mask, preset)
     bsz, hq, lq, dim = q.shape
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -608,7 +609,7 @@ def kernel_attention(
     output (``quantize_output``) and an empty one, which come back contiguous (the compiled
     op copies them into q's layout); False: always contiguous.
     """
-    opts, static = _resolve(preset, options, static_scales, q.device)
+    opts, static = _resolve(preset, options, static_scales, q, k)
     if q.numel() == 0 or k.numel() == 0:  # no launch: checked here, then zeros
         _check_call(q, k, v, attn_mask, preset)
         return q.new_zeros((*q.shape[:3], v.shape[-1]))

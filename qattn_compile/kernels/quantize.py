@@ -127,7 +127,7 @@ def _token_stats_kernel(
     two-level reduction that keeps every SM busy even for one group per head).
     """
     c = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: tensors may pass 2**31 elements
     b = bh // n_heads
     h = bh % n_heads
     x_base = x_ptr + b * sxb + h * sxh
@@ -176,7 +176,7 @@ def _stats_finish_kernel(
     c − colmin)`` is exact in float32 (rounding is monotonic), so no second pass over x.
     """
     g = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: tensors may pass 2**31 elements
     cols = tl.arange(0, BLOCK_D)
     base = (bh * n_groups + g) * chunks_per_group * D
     acc_sum = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
@@ -246,6 +246,7 @@ def _quantize_tile(
     ``COLSUM`` > 0 (INT only): also the int32 channel sums of the quantized values per chunk
     of ``COLSUM`` tokens, ``colsum[bh, chunk, d]`` (``[B*H, n_colsum, D]`` contiguous).
     """
+    bh = bh.to(tl.int64)  # 64-bit offsets: tensors may pass 2**31 elements
     b = bh // n_heads
     h = bh % n_heads
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -414,7 +415,7 @@ def _delta_s_kernel(
     """
     pid_t = tl.program_id(0)
     pid_b = tl.program_id(1)
-    bhq = tl.program_id(2)
+    bhq = tl.program_id(2).to(tl.int64)  # ΔS passes 2**31 elements from ~93K tokens (B=1, 32 heads)
     b = bhq // n_heads_q
     hq = bhq % n_heads_q
     hkv = hq // hq_per_kv

@@ -491,7 +491,8 @@ def _setup(q, k, v, preset, options, compute_dtype, static_scales, scale):
     if preset == "none":
         raise ValueError("preset 'none' leaves the attention untouched; it has no reference")
     _check_inputs(q, k, v, compute_dtype)
-    statics = resolve_static_scales(preset, opts, static_scales, q.device)
+    statics = resolve_static_scales(preset, opts, static_scales, q.device,
+                                    heads=(q.shape[-3], k.shape[-3]))
     tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return opts, statics, tau
 
