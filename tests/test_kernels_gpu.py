@@ -369,3 +369,25 @@ def test_functional_api_takes_sdpa_leading_dims_on_cuda(lead):
     _, ref_rel, _ = metrics(ref, exact)
     print(f"functional {len(shape)}-D int_flash: cos {cos:.5f} rel-L1 {rel:.4f} (ref {ref_rel:.4f})")
     assert rel <= 1.1 * ref_rel + EPS, (rel, ref_rel)
+
+
+def test_gpu_sage2_past_2_to_the_31_elements_of_delta_s():
+    """sage2_8b at B=1, 32 heads, 96K tokens, D=64: ΔS ``[1, 32, 750, 96K]`` holds 2.3e9
+    floats (9.2 GB), so the last heads' rows lie past 2**31 elements, where 32-bit offsets
+    wrapped (wrong scores or an illegal address). ΔS of the last head against torch, and
+    the last heads' outputs against the flash preset on the same inputs."""
+    from qattn_compile.kernels import quantize as kq
+
+    heads, length, d = 32, 96 * 1024, 64
+    assert heads * -(-length // 128) * length > 2**31
+    q, k, v = make_qkv(b=1, hq=heads, lq=length, d=d, dtype=torch.bfloat16)
+    q_mean = torch.randn(1, heads, -(-length // 128), d, device=DEV)
+    ds = kq.delta_s(q_mean, k, None, 1.0)
+    want = q_mean[0, -1, -2:] @ k[0, -1].float().T
+    torch.testing.assert_close(ds[0, -1, -2:], want, rtol=1e-4, atol=1e-2)
+    del ds
+    out = _kernels().kernel_attention(q, k, v, is_causal=True, preset="sage2_8b")
+    flash = _kernels().kernel_attention(q, k, v, is_causal=True, preset="flash")
+    cos, rel, _ = metrics(out[0, -4:], flash[0, -4:])
+    print(f"sage2_8b vs flash, last 4 heads at 96K: cos {cos:.5f} rel-L1 {rel:.4f}")
+    assert cos > 0.995 and not out.isnan().any()
