@@ -919,6 +919,19 @@ def test_delta_s_rows_past_2_to_the_31_elements_do_not_wrap():
     torch.testing.assert_close(out[last:last + block_t], q_mean[0, -1, 0] @ k[0, 0].T)
 
 
+@pytest.mark.parametrize("preset", ["sage2_8b", "fp8", "int_flash"])
+def test_float16_output_saturates_where_v_nears_the_float16_max(preset):
+    """FP8 P's l is summed before rounding, so O may pass max|V| (by ~0.8 % here): with V at
+    65000 the float16 output was inf in 32 of 2048 entries. It saturates at 65504, in the
+    kernel and the reference alike; the exact output is 64992."""
+    q, k, _ = make_qkv(hq=1, lq=64, d=32)
+    v = torch.full((1, 1, 64, 32), 65000.0, dtype=torch.float16)
+    out = kernel_attention(q, k, v, preset=preset)
+    ref = reference_attention(q, k, v, preset=preset)
+    for got in (out, ref):
+        assert got.isfinite().all() and got.float().min() > 64000
+
+
 def test_dv_differs_from_d_and_empty_keys():
     q, k, v = make_qkv(lq=20, lkv=40, d=64, dv=32)
     for preset in ("flash", "int_flash", "sage2_8b"):

@@ -82,6 +82,9 @@ quantized against. A tile whose max lies lower rounds to P = 0 (its true weight 
 2^-64 of the row's largest), and the accumulator, kept in units of ``2^(m_t − m)``, grows at
 most 2^64 above the true sum (float32 holds 2^127)."""
 
+FP16_MAX = tl.constexpr(65504.0)
+"""The largest finite float16: float16 outputs saturate there (:func:`attention_kernel`)."""
+
 PER_TENSOR_GROUP = 1 << 30
 """The token group of a per-tensor scale: longer than any sequence (its stride is 0)."""
 
@@ -687,6 +690,10 @@ def attention_kernel(
                         other=0.0)
         o += vmean[None, :]
     o = tl.where(seen[:, None], o, 0.0)
+    if o_ptr.dtype.element_ty == tl.float16:
+        # FP8 P's l is summed before rounding, so O may pass max|V| by up to ~6 %: where V
+        # nears float16's max, saturate rather than overflow (NaN stays NaN)
+        o = tl.clamp(o, -FP16_MAX, FP16_MAX, propagate_nan=tl.PropagateNan.ALL)
     store_tile(o_ptr + b * sob + hq * soh, o, offs_m, offs_dv, sol, sod, Lq, HEAD_DV, True,
                HEAD_DV != BLOCK_DV)
 

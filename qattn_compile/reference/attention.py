@@ -539,6 +539,8 @@ def reference_attention(
     out = torch.cat(chunks, dim=-2).reshape(b, hq, lq, dv)
     if preset == "fmha_int8" and opts.quantize_output:
         out = _quantize_output(out, statics)
+    if q.dtype == torch.float16:  # saturate as the kernels do (FP8 P may pass max|V|)
+        out = out.clamp(-torch.finfo(torch.float16).max, torch.finfo(torch.float16).max)
     return out.to(q.dtype)
 
 
