@@ -133,15 +133,20 @@ def attention(
     """Quantized attention with the semantics of ``F.scaled_dot_product_attention``.
 
     ``preset`` names a method (see :mod:`qattn_compile.presets`); ``**options`` are that
-    preset's options. ``preset="none"`` calls PyTorch's SDPA. Inference only: a non-zero
-    ``dropout_p``, or inputs that require grad while grad mode is on, raise (there is no
-    backward). A float mask may have any float dtype (it is added in float32).
+    preset's options. ``preset="none"`` calls PyTorch's SDPA (dropout and backward
+    included). The other presets are inference only: a non-zero ``dropout_p``, or inputs
+    that require grad while grad mode is on, raise (there is no backward). A float mask may
+    have any float dtype (it is added in float32).
     """
     resolved = resolve_options(preset, options)
     _check_inputs(q, k, v, attn_mask, enable_gqa)
+    if preset == "none":
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     if dropout_p:
         raise ValueError(f"qattn attention is inference-only: dropout_p must be 0, got {dropout_p}")
-    if preset != "none" and torch.is_grad_enabled():
+    if torch.is_grad_enabled():
         needs_grad = [name for name, t in (("query", q), ("key", k), ("value", v),
                                            ("attn_mask", attn_mask))
                       if t is not None and t.requires_grad]
@@ -150,10 +155,6 @@ def attention(
                 f"qattn attention is inference-only: {', '.join(needs_grad)} requires grad. "
                 "Call it under torch.no_grad() or torch.inference_mode(), or detach the inputs; "
                 "for training use F.scaled_dot_product_attention (preset='none')")
-    if preset == "none":
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
     out_shape = (*q.shape[:-1], v.shape[-1])
     if math.prod(out_shape) == 0:  # an empty output, as SDPA's: nothing to compute
         return q.new_zeros(out_shape)

@@ -114,6 +114,10 @@ def test_inputs_that_require_grad_are_refused_by_name():
     out = qattn_compile.attention(q, k, v, preset="none")  # SDPA itself, with its backward
     out.sum().backward()
     assert k.grad is not None
+    torch.manual_seed(0)
+    dropped = qattn_compile.attention(q, k, v, dropout_p=0.5, preset="none")  # and its dropout
+    torch.manual_seed(0)
+    assert torch.equal(dropped, F.scaled_dot_product_attention(q, k, v, dropout_p=0.5))
 
 
 def test_fully_masked_rows_are_zero_not_nan():

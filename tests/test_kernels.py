@@ -154,6 +154,27 @@ def test_quantize_int_transposed_and_static():
     assert torch.equal(static.data, ref_q) and torch.equal(static.scale, ref_scale)
 
 
+@pytest.mark.parametrize("dim", [160, 256])
+def test_transposed_v_padding_is_zero_for_wide_heads(dim, monkeypatch):
+    """Wide heads get 16-token quantizer tiles under the interpreter: the padding tokens of
+    the 8-bit V past the last tile of real tokens are written (as zeros) too (output buffers
+    are poisoned first, so a column nothing wrote shows)."""
+    alloc = kq._alloc_8bit
+    monkeypatch.setattr(kq, "_alloc_8bit", lambda *args: alloc(*args).view(torch.int8).fill_(99)
+                        .view(args[1]))
+    x = torch.randn(1, 2, 33, dim, dtype=torch.float16)
+    padding = torch.ones(64, dtype=torch.bool)  # L_pad = 64 for 33 tokens
+    padding[kq.v_column_of_token_torch(torch.arange(33))] = False
+    outputs = {
+        "int8": kq.quantize_int(x, QUANT_BLOCK_KV, 8, transpose=True).data,
+        "fp8 per channel": kq.quantize_fp8_per_channel(x).data,
+        "fp8 K+V": kq.quantize_fp8_kv(x, x, 16)[1].data,
+    }
+    for name, data in outputs.items():
+        assert data.shape[-1] == 64, name
+        assert not data.view(torch.int8)[..., padding].any(), name
+
+
 @pytest.mark.parametrize("group", [1, 16, 64, 128, 77])
 def test_quantize_fp8_bit_exact(group):
     x = (torch.randn(1, 2, 77, 64) * 5).to(torch.float16)
@@ -930,6 +951,27 @@ def test_float16_output_saturates_where_v_nears_the_float16_max(preset):
     ref = reference_attention(q, k, v, preset=preset)
     for got in (out, ref):
         assert got.isfinite().all() and got.float().min() > 64000
+
+
+@pytest.mark.parametrize("preset, where", [
+    ("flash", "k"), ("int_flash", "q"), ("int_flash", "k"), ("int_flash", "v"),
+    ("fmha_int8", "q"), ("fmha_int8", "k"), ("sage2_8b", "k"), ("turbo", "k"), ("fp8", "q"),
+])
+def test_a_nan_input_reaches_the_output_of_its_head(preset, where):
+    """A NaN in Q, K or V makes NaN the output rows of its (batch, head) that SDPA's would
+    make NaN, or more of them where a quantization scale spans several tokens, and no other
+    head's; kernel and reference agree row for row (the quantizers skipped NaN in their
+    amax, and integer P rounded a NaN to a finite code: outputs were finite)."""
+    q, k, v = make_qkv(hq=2, lq=40, d=32)
+    {"q": q, "k": k, "v": v}[where][0, 0, 7, 5] = float("nan")
+    out = kernel_attention(q, k, v, preset=preset, is_causal=True)
+    ref = reference_attention(q, k, v, preset=preset, is_causal=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.float() for t in (q, k, v)),
+                                                            is_causal=True)
+    nan_rows = out.isnan().any(-1)
+    assert torch.equal(nan_rows, ref.isnan().any(-1))
+    assert nan_rows[0, 0].sum() >= sdpa.isnan().any(-1)[0, 0].sum() > 0
+    assert not out[0, 1].isnan().any()
 
 
 def test_dv_differs_from_d_and_empty_keys():

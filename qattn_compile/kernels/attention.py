@@ -457,18 +457,19 @@ def _tile_step(
         if IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(keep, s, float("-inf"))
-    m_tile = tl.max(s, axis=1)
+    m_tile = tl.max(s, axis=1)  # skips a NaN score (max_keeping_nan costs registers here)
     if ROW_SCALE:
         m_tile = m_tile * row_scale  # exact: rounding is monotonic
     if EXP_MODE == EXP_SAS:
         # The tile matters only if some row has a score above the threshold relative to
         # the running max (m_i can only grow, so those below stay below).
-        above = (m_tile >= m_i + thr_log2) & (m_tile > float("-inf"))
+        above = ((m_tile >= m_i + thr_log2) & (m_tile > float("-inf"))) | (m_tile != m_tile)
         live = tl.max(above.to(tl.int32), axis=0) > 0
     else:
         live = True
     if live:
-        m_new = tl.maximum(m_i, m_tile)
+        # a NaN max (a NaN Q or K scale: a NaN in the group's input) makes the row NaN
+        m_new = tl.maximum(m_i, m_tile, propagate_nan=tl.PropagateNan.ALL)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
         if P_TILE_MAX:
@@ -679,7 +680,7 @@ def attention_kernel(
         acc = acc * acc_unit
     elif V_SCALE == VS_CHANNEL:
         acc = acc * tl.load(vs_base + offs_dv * svsg, mask=offs_dv < HEAD_DV, other=0.0)[None, :]
-    seen = l_i > 0
+    seen = l_i != 0  # no visible key: l = 0; a NaN row stays NaN
     denom = tl.where(seen, l_i, 1.0)
     if ACC_TILE_UNITS:  # acc in units of 2^(acc_shift − m_i), acc_shift ≥ m_i − P_TILE_FLOOR
         # (both finite on a seen row; an unseen row's may be -inf: kept out of the subtraction)

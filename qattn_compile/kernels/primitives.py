@@ -175,6 +175,23 @@ def in_v_key_order(p):
 
 
 @triton.jit
+def max_keeping_nan(x, axis: tl.constexpr):
+    """``tl.max(x, axis)``, NaN where a reduced value is NaN (``tl.max`` skips NaN, as C's
+    ``fmax`` does): what lets a NaN input reach the output, as it does in SDPA. The NaN is
+    read off a sum along the same axis (a ``tl.reduce`` with a NaN-keeping combine costs the
+    GPU nothing more, but runs element by element in Python under the interpreter)."""
+    total = tl.sum(x, axis)
+    return tl.where(total != total, total, tl.max(x, axis))
+
+
+@triton.jit
+def min_keeping_nan(x, axis: tl.constexpr):
+    """``tl.min(x, axis)``, NaN where a reduced value is NaN (see :func:`max_keeping_nan`)."""
+    total = tl.sum(x, axis)
+    return tl.where(total != total, total, tl.min(x, axis))
+
+
+@triton.jit
 def _tile_mask(rows, cols, n_rows, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
     """Bounds mask of an ``[R, C]`` tile (``[R, 1]`` / ``[1, C]`` / ``[R, C]``), or None."""
     if MASK_ROWS and MASK_COLS:

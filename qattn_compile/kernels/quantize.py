@@ -51,6 +51,8 @@ from .primitives import (
     interpreted,
     launcher,
     load_tile,
+    max_keeping_nan,
+    min_keeping_nan,
     pack_int4,
     rint_to_int32,
     store_tile,
@@ -146,11 +148,13 @@ def _token_stats_kernel(
         x = tl.load(x_base + rows[:, None] * sxl + cols[None, :] * sxd, mask=valid, other=0.0)
         x = x.to(tl.float32)
         tile_sum += x
-        tile_max = tl.maximum(tile_max, tl.where(valid, x, float("-inf")))
-        tile_min = tl.minimum(tile_min, tl.where(valid, x, float("inf")))
+        tile_max = tl.maximum(tile_max, tl.where(valid, x, float("-inf")),
+                              propagate_nan=tl.PropagateNan.ALL)
+        tile_min = tl.minimum(tile_min, tl.where(valid, x, float("inf")),
+                              propagate_nan=tl.PropagateNan.ALL)
     col_sum = tl.sum(tile_sum, axis=0)
-    col_max = tl.max(tile_max, axis=0)
-    col_min = tl.min(tile_min, axis=0)
+    col_max = max_keeping_nan(tile_max, 0)
+    col_min = min_keeping_nan(tile_min, 0)
     out = (bh * n_chunks + c) * D + cols
     tl.store(sum_ptr + out, col_sum, mask=cols < D)
     tl.store(max_ptr + out, col_max, mask=cols < D)
@@ -187,25 +191,28 @@ def _stats_finish_kernel(
         valid = (rows[:, None] < chunks_per_group) & (cols[None, :] < D)
         offs = base + rows[:, None] * D + cols[None, :]
         acc_sum += tl.load(sum_ptr + offs, mask=valid, other=0.0)
-        acc_max = tl.maximum(acc_max, tl.load(max_ptr + offs, mask=valid, other=float("-inf")))
-        acc_min = tl.minimum(acc_min, tl.load(min_ptr + offs, mask=valid, other=float("inf")))
+        acc_max = tl.maximum(acc_max, tl.load(max_ptr + offs, mask=valid, other=float("-inf")),
+                             propagate_nan=tl.PropagateNan.ALL)
+        acc_min = tl.minimum(acc_min, tl.load(min_ptr + offs, mask=valid, other=float("inf")),
+                             propagate_nan=tl.PropagateNan.ALL)
     count = tl.minimum(L - g * group, group).to(tl.float32)
     mean = tl.div_rn(tl.sum(acc_sum, axis=0), tl.full((BLOCK_D,), 1.0, tl.float32) * count)
     out = (bh * n_groups + g) * D + cols
     tl.store(mean_ptr + out, mean, mask=cols < D)
     if WRITE_SCALE:
-        col_max = tl.max(acc_max, axis=0)
-        col_min = tl.min(acc_min, axis=0)
+        col_max = max_keeping_nan(acc_max, 0)
+        col_min = min_keeping_nan(acc_min, 0)
         if CENTER:
-            amax = tl.maximum(col_max - mean, mean - col_min)
+            amax = tl.maximum(col_max - mean, mean - col_min, propagate_nan=tl.PropagateNan.ALL)
         else:
-            amax = tl.maximum(col_max, -col_min)
-        amax = tl.maximum(amax, AMAX_FLOOR)  # padding channels: -inf, raised to the floor
+            amax = tl.maximum(col_max, -col_min, propagate_nan=tl.PropagateNan.ALL)
+        # padding channels: -inf, raised to the floor
+        amax = tl.maximum(amax, AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL)
         scale = tl.div_rn(amax, tl.full((BLOCK_D,), QMAX, tl.float32))
         if PER_CHANNEL:
             tl.store(scale_ptr + out, scale, mask=cols < D)
         else:  # rounding is monotonic: the largest quotient is the largest amax's quotient
-            tl.store(scale_ptr + bh * n_groups + g, tl.max(scale, axis=0))
+            tl.store(scale_ptr + bh * n_groups + g, max_keeping_nan(scale, 0))
 
 
 @triton.jit
@@ -274,9 +281,9 @@ def _quantize_tile(
         x = tl.where(valid, x - mean, 0.0)
     if SCALE_MODE == _SCALE_IN_TILE:
         groups: tl.constexpr = BLOCK_T // GROUP
-        row_amax = tl.max(tl.abs(x), axis=1)
-        amax = tl.max(tl.reshape(row_amax, (groups, GROUP)), axis=1)
-        amax = tl.maximum(amax, AMAX_FLOOR)
+        row_amax = max_keeping_nan(tl.abs(x), 1)
+        amax = max_keeping_nan(tl.reshape(row_amax, (groups, GROUP)), 1)
+        amax = tl.maximum(amax, AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL)
         scale_g = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
         g_idx = pid_t * groups + tl.arange(0, groups)
         tl.store(scale_out_ptr + bh * n_groups_out + g_idx, scale_g * scale_mul,
@@ -356,8 +363,8 @@ def _quantize_kv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """K row-major and V transposed (the 8-bit V) in one launch, scales per in-tile group of
-    ``GROUP`` tokens, no smoothing (grid ``(2 · cdiv(L, BLOCK_T), B*H)``: K's tiles, then
-    V's). K and V have one shape ``[B, H, L, D]``; two short passes of a few µs each are
+    ``GROUP`` tokens, no smoothing (grid ``(cdiv(L, BLOCK_T) + cdiv(L_pad, BLOCK_T), B*H)``:
+    K's tiles, then V's). K and V have one shape ``[B, H, L, D]``; two short passes of a few µs each are
     latency-bound, one launch of twice the programs is not (benchmarks/NOTES.md, session 23).
     """
     n_tiles = tl.cdiv(L, BLOCK_T)
@@ -581,9 +588,10 @@ def _launch_quantize(
     else:
         mean_mode = _MEAN_READ
     exact = interpreted(x.device)
-    launcher(_quantize_kernel, x)[(triton.cdiv(length, block_t), bsz * heads)](
+    out_length = out.shape[-1] if transposed else length  # the padding tokens get tiles too
+    launcher(_quantize_kernel, x)[(triton.cdiv(out_length, block_t), bsz * heads)](
         x, mean_t, sin, out, scale_out, colsum if colsum is not None else absent(),
-        length, out.shape[-1] if transposed else length, dim, heads, mean_group, group,
+        length, out_length, dim, heads, mean_group, group,
         scale_mul, *x.stride(), *mean_strides, *sin_strides, *out_strides, n_groups,
         colsum.shape[2] if colsum is not None else 0,
         QMAX=qmax, AMAX_FLOOR=AMAX_MIN, SCALE_MODE=mode, GROUP=group if in_tile else 1,
@@ -747,7 +755,9 @@ def quantize_fp8_kv(k: Tensor, v: Tensor, group: int) -> tuple[Quantized, Quanti
     k_scale, v_scale = (torch.empty((bsz, heads, n_groups), device=k.device, dtype=torch.float32)
                         for _ in range(2))
     cfg = kv_quant_config(dim, k.device, group)
-    grid = (2 * triton.cdiv(length, cfg.block_t), bsz * heads)
+    # K's tiles, then V's over its padded length (its padding tokens written as zeros)
+    grid = (triton.cdiv(length, cfg.block_t) + triton.cdiv(v_data.shape[-1], cfg.block_t),
+            bsz * heads)
     launcher(_quantize_kv_kernel, k)[grid](
         k, v, k_data, v_data, k_scale, v_scale, length, v_data.shape[-1], dim, heads, n_groups,
         *k.stride(), *v.stride(), *_value_strides(k_data, False), *_value_strides(v_data, True),

@@ -375,10 +375,10 @@ def _shifted(scores: Tensor, tau: float, bias: Tensor | None) -> tuple[Tensor, T
     scores ``[..., rows, Lkv]`` (before τ) -> ``x`` same shape, flag ``[..., rows, 1]`` bool.
     """
     s = scores * tau
-    if bias is not None:
-        s = s + bias
+    if bias is not None:  # a masked key's score is replaced, not added to (a NaN stays out)
+        s = torch.where(bias == -math.inf, bias, s + bias)
     row_max = s.amax(dim=-1, keepdim=True)
-    visible = row_max > -math.inf
+    visible = row_max != -math.inf  # a NaN row (a NaN in Q or K) stays NaN, as in SDPA
     return s - torch.where(visible, row_max, 0.0), visible
 
 
