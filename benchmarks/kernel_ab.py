@@ -89,7 +89,10 @@ def main() -> None:
     many = sub.add_parser("table", help="compare the arms of JSON files from `run`")
     many.add_argument("files", nargs="+")
     args = parser.parse_args()
-    run(args) if args.command == "run" else table(args)
+    if args.command == "run":
+        run(args)
+    else:
+        table(args)
 
 
 if __name__ == "__main__":
