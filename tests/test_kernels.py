@@ -914,6 +914,27 @@ def test_offsets_past_2_to_the_31_elements_do_not_wrap():
                                kernel_attention(dense, k, v, preset="flash"))
 
 
+def test_mask_rows_past_2_to_the_31_elements_do_not_wrap():
+    """A bool mask whose query rows are ``2**25 + 64`` elements apart (a ``[L, L]`` mask at
+    ~33K tokens has rows that far apart, at ~46K its last rows lie past 2**31): rows from 64
+    on start past 2**31 elements. The kernel adds the query tile's first row in 64 bits (the
+    32-bit offsets wrapped to the all-False rows planted there: those rows came out 0)."""
+    rows, keys, row_stride, start = 80, 40, 2**25 + 64, 2**32
+    try:
+        storage = torch.empty(start + rows * row_stride, dtype=torch.bool)
+    except RuntimeError:
+        pytest.skip("cannot reserve ~7 GB of address space")
+    mask = storage.as_strided((1, 1, rows, keys), (0, 0, row_stride, 1), storage_offset=start)
+    mask.copy_(random_bool_mask((1, 1, rows, keys)))
+    for row in range(rows):
+        if row * row_stride >= 2**31:  # where its 32-bit offset wraps to: all False
+            storage[start + row * row_stride - WRAP:][:keys] = False
+    q, k, v = make_qkv(hq=2, lq=rows, lkv=keys, d=32)
+    torch.testing.assert_close(kernel_attention(q, k, v, attn_mask=mask, preset="flash"),
+                               kernel_attention(q, k, v, attn_mask=mask.contiguous(),
+                                                preset="flash"))
+
+
 def test_delta_s_rows_past_2_to_the_31_elements_do_not_wrap():
     """ΔS ``[B, Hq, n_blocks, Lkv]`` passes 2**31 elements from ~93K tokens at B=1 and 32
     query heads. Here the last of 65 heads' rows starts past 2**31 floats (the kernel computes
