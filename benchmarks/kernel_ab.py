@@ -74,7 +74,8 @@ def table(args) -> None:
     for key in sorted({k for k, _ in tops}):
         med = [statistics.median(tops[key, a]) if tops[key, a] else float("nan") for a in arms]
         same = len(set(prints[key].values())) == 1
-        print(f"{key} | " + " | ".join(f"{m:.0f}" for m in med) + f" | {med[-1] / med[0]:.3f} | {same}")
+        cells = " | ".join(f"{m:.0f}" for m in med)
+        print(f"{key} | {cells} | {med[-1] / med[0]:.3f} | {same}")
 
 
 def main() -> None:
@@ -84,7 +85,8 @@ def main() -> None:
     one.add_argument("--arm", required=True)
     one.add_argument("--out", required=True)
     one.add_argument("--n", type=int, default=16384)
-    one.add_argument("--presets", nargs="+", default=["int_flash", "fp8", "sage2_8b", "fmha_int8", "flash"])
+    one.add_argument("--presets", nargs="+",
+                     default=["int_flash", "fp8", "sage2_8b", "fmha_int8", "flash"])
     one.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     many = sub.add_parser("table", help="compare the arms of JSON files from `run`")
     many.add_argument("files", nargs="+")

@@ -393,16 +393,18 @@ def resolve_static_scales(preset: str, options: PresetOptions, explicit=None, de
         raise ValueError(f"static_scales lacks {missing}; fmha_int8 static needs keys {needed}")
     if heads is not None:
         for key in needed:
-            count = heads[0] if key in ("q", "o") else heads[1]
-            given = scales[key]
-            dims = getattr(given, "shape", ())
-            n = dims[-2] if len(dims) >= 2 else 1
-            if len(dims) == 1 and dims[0] != 1 or len(dims) >= 2 and dims[-1] != 1:
-                raise ValueError(f"static_scales[{key!r}] of shape {tuple(dims)} must "
-                                 "broadcast to [B, H, 1]")
-            if n not in (1, count):
-                raise ValueError(
-                    f"static_scales[{key!r}] holds {n} values per batch, for "
-                    f"{'query' if key in ('q', 'o') else 'key/value'} heads; this call has "
-                    f"{count} (give one per head, or one for all)")
+            _check_static_scale_heads(key, scales[key], heads[0] if key in ("q", "o") else heads[1])
     return scales
+
+
+def _check_static_scale_heads(key: str, given, heads: int) -> None:
+    """``given`` (α of ``key``: a float, or a tensor broadcastable to ``[B, H, 1]``) holds one
+    value for every head or one per head of the call's ``heads``."""
+    dims = tuple(getattr(given, "shape", ()))
+    if dims and dims[-1] != 1:
+        raise ValueError(f"static_scales[{key!r}] of shape {dims} must broadcast to [B, H, 1]")
+    per_batch = dims[-2] if len(dims) >= 2 else 1
+    if per_batch not in (1, heads):
+        kind = "query" if key in ("q", "o") else "key/value"
+        raise ValueError(f"static_scales[{key!r}] holds {per_batch} values per batch, for {kind} "
+                         f"heads; this call has {heads} (give one per head, or one for all)")

@@ -90,7 +90,7 @@ def test_bad_mask_and_dropout():
     with pytest.raises(ValueError, match="dropout_p must be 0"):
         qattn_compile.attention(q, k, v, dropout_p=0.1, preset="flash")
     # broadcastable both ways, but larger than the scores [2, 4, 19, 23]
-    with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 1, 19, 23\) is not broadcastable"):
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 1, 19, 23\) is not broad"):
         qattn_compile.attention(q, k, v, attn_mask=torch.ones(3, 1, 19, 23, dtype=torch.bool),
                                 preset="flash")
 
@@ -190,8 +190,10 @@ def test_the_op_called_directly_names_a_bad_preset_or_options(preset, options, m
 
 
 @pytest.mark.parametrize("static_scales, message", [
-    ({"q": (1.0, 2.0), "k": 1.0, "v": 1.0}, r"static_scales\['q'\] holds 2 values .* this call has 4"),
-    ({"q": 1.0, "k": (1.0, 1.0, 1.0, 1.0), "v": 1.0}, r"static_scales\['k'\] holds 4 .*key/value heads; this call has 2"),
+    ({"q": (1.0, 2.0), "k": 1.0, "v": 1.0},
+     r"static_scales\['q'\] holds 2 values .* this call has 4"),
+    ({"q": 1.0, "k": (1.0, 1.0, 1.0, 1.0), "v": 1.0},
+     r"static_scales\['k'\] holds 4 .*key/value heads; this call has 2"),
 ])
 def test_static_scales_per_head_must_match_the_heads(static_scales, message):
     q, k, v = _qkv()  # 4 query heads, 2 kv heads

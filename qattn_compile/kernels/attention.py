@@ -457,7 +457,9 @@ def _tile_step(
         if IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(keep, s, float("-inf"))
-    m_tile = tl.max(s, axis=1)  # skips a NaN score (max_keeping_nan costs registers here)
+    # skips a NaN score; a NaN-keeping row max here cost fp8's D=64 causal kernel a program
+    # per SM (benchmarks/NOTES.md, session 30): a NaN arrives through the scales instead
+    m_tile = tl.max(s, axis=1)
     if ROW_SCALE:
         m_tile = m_tile * row_scale  # exact: rounding is monotonic
     if EXP_MODE == EXP_SAS:
@@ -589,7 +591,8 @@ def attention_kernel(
     ks_base = ks_ptr + b * sksb + hkv * sksh
     vs_base = vs_ptr + b * svsb + hkv * svsh
     ds_row = ds_ptr + b * sdsb + hq * sdsh + (start_m // DS_GROUP) * sdsg
-    mask_base = mask_ptr + b * smb + hq * smh + start_m.to(tl.int64) * smm  # the tile's first row
+    # the mask at the query tile's first row
+    mask_base = mask_ptr + b * smb + hq * smh + start_m.to(tl.int64) * smm
     cs_base = cs_ptr + b * scsb + hkv * scsh
     if USE_TMA:
         k_desc, v_desc = kv_descriptors(k_base, v_base, Lkv, skl, svl, svd, QK_FMT, V_FMT,

@@ -364,8 +364,9 @@ def _quantize_kv_kernel(
 ):
     """K row-major and V transposed (the 8-bit V) in one launch, scales per in-tile group of
     ``GROUP`` tokens, no smoothing (grid ``(cdiv(L, BLOCK_T) + cdiv(L_pad, BLOCK_T), B*H)``:
-    K's tiles, then V's). K and V have one shape ``[B, H, L, D]``; two short passes of a few µs each are
-    latency-bound, one launch of twice the programs is not (benchmarks/NOTES.md, session 23).
+    K's tiles, then V's). K and V have one shape ``[B, H, L, D]``; two short passes of a few
+    µs each are latency-bound, one launch of twice the programs is not (benchmarks/NOTES.md,
+    session 23).
     """
     n_tiles = tl.cdiv(L, BLOCK_T)
     pid = tl.program_id(0)
@@ -422,7 +423,8 @@ def _delta_s_kernel(
     """
     pid_t = tl.program_id(0)
     pid_b = tl.program_id(1)
-    bhq = tl.program_id(2).to(tl.int64)  # ΔS passes 2**31 elements from ~93K tokens (B=1, 32 heads)
+    # 64-bit offsets: ΔS passes 2**31 elements from ~93K tokens (B=1, 32 heads)
+    bhq = tl.program_id(2).to(tl.int64)
     b = bhq // n_heads_q
     hq = bhq % n_heads_q
     hkv = hq // hq_per_kv
