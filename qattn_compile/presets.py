@@ -16,13 +16,13 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     This is exact math, not an approximation: it shifts every score of query row ``i`` by
     the same constant ``q_i·k̄``, to which softmax is invariant; it keeps K's channel
     outliers (a per-channel offset) from inflating K's INT8 scales.
-    ``smooth_k: false, k_granularity: token, p_scale: row`` is the paper's math exactly. Q:
-    symmetric INT8 per token (scale = amax/127); K likewise per block of 128 tokens (default;
-    per token, the paper's, with ``k_granularity: token``). Scores
-    ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m,
+    ``smooth_k: false, k_granularity: token, p_scale: row, v_granularity: tensor`` is the
+    paper's math exactly. Q: symmetric INT8 per token (scale = amax/127); K likewise per
+    block of 128 tokens (default; per token, the paper's, with ``k_granularity: token``).
+    Scores ``S = (Q̂·K̂ᵀ)·s_q·s_k·τ`` (+ mask). With row max m,
     ``P̂ = round(127·exp(S − m))`` in [0, 127] and ``l = Σ P̂`` (summed from the quantized
-    P). V: symmetric INT8 per tensor (paper) or per block of V tokens
-    (``v_granularity: block``). ``O = (P̂·V̂)·s_v / l``. P's range, ``p_scale``:
+    P). V: symmetric INT8 per block of 128 V tokens (default) or per tensor (the paper's,
+    ``v_granularity: tensor``). ``O = (P̂·V̂)·s_v / l``. P's range, ``p_scale``:
 
     - ``tile`` (default): each key tile of a row is quantized against its own max
       ``m_t``: ``P̂ = round(127·exp(S − m_t))`` and the tile's ``P̂·V̂`` and ``ΣP̂`` enter
@@ -148,7 +148,8 @@ class IntFlashOptions(KernelOptions):
     """Options of ``int_flash`` (INT-FlashAttention)."""
 
     v_granularity: Literal["tensor", "block"] = Field(
-        "tensor", description="INT8 V scale per tensor (paper) or per block of V tokens."
+        "block", description="INT8 V scale per block of 128 tokens (one scale per key tile, no "
+        "statistics pass; a row over small V values keeps its INT8 levels) or per tensor (paper)."
     )
     k_granularity: Literal["token", "block"] = Field(
         "block", description="INT8 K scale per block of 128 tokens (one scale per key tile: no "

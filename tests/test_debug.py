@@ -224,7 +224,7 @@ def test_explain_table_has_one_row_per_site(typo_diff):
         assert format_shapes(report.shapes) in row
     assert "*self_attn" in rows[0]
     assert rows[0].endswith(
-        "int_flash  reference (CPU) int_flash q=int8/token k=int8/block p=int8/tile v=int8/tensor smooth=k")
+        "int_flash  reference (CPU) int_flash q=int8/token k=int8/block p=int8/tile v=int8/block smooth=k")
     assert re.search(r"\snone\s+left alone: ", rows[1])
     assert "1 of 2 attention site(s) rewritten, 1 left alone, 0 fell back" in explanation.format()
     assert explanation.unmatched_rules() == [TYPO_LINE]

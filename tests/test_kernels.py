@@ -615,9 +615,9 @@ def test_finite_additive_fill_keeps_keys_visible(preset):
 @pytest.mark.parametrize(
     "preset,options",
     [
-        ("int_flash", {"v_granularity": "block"}),
+        ("int_flash", {"v_granularity": "tensor"}),
         ("int_flash", {"smooth_k": False}),
-        ("int_flash", {"p_scale": "row", "v_granularity": "block"}),
+        ("int_flash", {"p_scale": "row", "v_granularity": "tensor"}),
         ("int_flash", {"k_granularity": "token"}),
         ("fmha_int8", {"quantize_output": True}),
         ("fmha_int8", {"p_scale": "row"}),

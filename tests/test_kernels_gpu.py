@@ -155,7 +155,7 @@ def test_gpu_bf16(preset):
 @pytest.mark.parametrize(
     "preset,options",
     [
-        ("int_flash", {"v_granularity": "block"}),
+        ("int_flash", {"v_granularity": "tensor"}),
         ("int_flash", {"smooth_k": False}),
         ("int_flash", {"p_scale": "row"}),
         ("int_flash", {"k_granularity": "token"}),

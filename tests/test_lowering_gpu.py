@@ -134,7 +134,8 @@ class RotaryAttention(nn.Module):
 
 
 @pytest.mark.parametrize("preset,options", [
-    ("int_flash", {}), ("int_flash", {"k_granularity": "token"}), ("sage2_8b", {}), ("turbo", {}),
+    ("int_flash", {}), ("int_flash", {"k_granularity": "token"}),
+    ("int_flash", {"v_granularity": "tensor"}), ("sage2_8b", {}), ("turbo", {}),
     ("fp8", {}), ("fp8", {"granularity": "q_token"}),
 ])
 def test_quantizers_fuse_with_rope(preset, options):
@@ -162,11 +163,12 @@ def test_quantizers_fuse_with_rope(preset, options):
     fused = [n for n in names if rounding in n and "cat" in n]
     assert sage or fused, names
     # The transposed 8-bit V's quantizer (after its statistics kernel where one scale spans
-    # more tokens than a tile: int_flash per tensor, sage2_8b per channel); sage2_8b also
-    # its smoothed Q (one pass) and ΔS.
+    # more tokens than a tile: int_flash's V per tensor, sage2_8b's per channel; int_flash's
+    # default V per 128 tokens needs none); sage2_8b also its smoothed Q (one pass) and ΔS.
     assert user.count("_quantize_kernel") == (2 if sage else 0 if fp8 else 1), user
     assert user.count("_quantize_kv_kernel") == fp8, user
-    assert ("_token_stats_kernel" in user) == (preset in ("int_flash", "sage2_8b")), user
+    v_stats = sage or options.get("v_granularity") == "tensor"
+    assert ("_token_stats_kernel" in user) == v_stats, user
     assert user.count("_stats_finish_kernel") == user.count("_token_stats_kernel"), user
     assert ("_delta_s_kernel" in user) == sage, user
     rotated = [t.float() * cos + torch.cat((-t.float()[..., 64:], t.float()[..., :64]), -1) * sin

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 FULL = """\
 qattn: 1
 default: int_flash
-default_options: {v_granularity: block}
+default_options: {v_granularity: tensor}
 ignore: ["*vision_tower*", "re:.*\\\\.cross_attn"]
 on_unsupported: error
 strict: true
@@ -72,7 +72,7 @@ def test_every_field_is_parsed():
     p = load_policy(FULL)
     assert p.qattn == 1
     assert p.default == "int_flash"
-    assert p.default_options == IntFlashOptions(v_granularity="block")
+    assert p.default_options == IntFlashOptions(v_granularity="tensor")
     assert p.ignore == ("*vision_tower*", "re:.*\\.cross_attn")
     assert p.on_unsupported == "error"
     assert p.strict is True
@@ -356,7 +356,7 @@ def test_default_when_nothing_matches():
     p = load_policy(FULL)
     d = p.decide("decoder.mlp", "LlamaMLP")
     assert (d.preset, d.options, d.rule_index, d.rule_text) == (
-        "int_flash", IntFlashOptions(v_granularity="block"), None, "default")
+        "int_flash", IntFlashOptions(v_granularity="tensor"), None, "default")
     assert d.reason == ("no rule matches 'decoder.mlp' (class LlamaMLP); "
                         "the default applies: preset int_flash")
 
@@ -556,7 +556,7 @@ def test_example_policy_shows_every_feature():
     assert any(r.preset == "none" for r in p.rules)
     first = p.decide("model.layers.0.self_attn")
     assert first.preset == "int_flash"
-    assert (first.options.v_granularity, first.options.k_granularity) == ("block", "token")
+    assert (first.options.v_granularity, first.options.k_granularity) == ("tensor", "token")
     assert p.decide("model.layers.3.self_attn").preset == "sage2_8b"
     assert p.decide("model.layers.15.self_attn").preset == "none"
     assert p.decide("model.vision_tower.blocks.0.attn").rule_text == "ignore '*vision_tower*'"

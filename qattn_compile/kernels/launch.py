@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from .. import _compat
-from ..blocks import SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes, int_flash_group_sizes
+from ..blocks import (SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes, int_flash_group_sizes,
+                      int_flash_v_group)
 from ..ops import heads_inside_tokens, output_buffer
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
@@ -121,12 +122,12 @@ def _prepare_flash(q, k, v, opts, qk_mul, static, causal) -> Operands:
 def _prepare_int_flash(q, k, v, opts, qk_mul, static, causal) -> Operands:
     """INT-FlashAttention: K optionally smoothed (``smooth_k``), Q INT8 per token, K per
     token or block (``k_granularity``); P = round(127·P) against the tile's or the running
-    max (``p_scale``); V INT8 per tensor/block."""
+    max (``p_scale``); V INT8 per 128 tokens or per tensor (``v_granularity``)."""
     lq, lkv = q.shape[2], k.shape[2]
     gq, gk = int_flash_group_sizes(opts.k_granularity, lq, lkv)
     qq = quantize_int(q, gq, 8, scale_mul=qk_mul)
     kq = quantize_int(k, gk, 8, mean=smooth_mean(k) if opts.smooth_k else None)
-    vq = quantize_int(v, group_sizes(opts.v_granularity, lq, lkv)[1], 8, transpose=True)
+    vq = quantize_int(v, int_flash_v_group(opts.v_granularity, lkv), 8, transpose=True)
     ops = Operands(qq.data, kq.data, vq.data, _switches(ak.QK_INT8, ak.P_INT8, ak.V_INT8,
                                                         p_tile_max=opts.p_scale == "tile"))
     return _with_v(_with_q(ops, qq, kq), vq)

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from ..blocks import (P_KEY_TILE, SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes,
-                      int_flash_group_sizes)
+                      int_flash_group_sizes, int_flash_v_group)
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from . import quant, smooth
 from .sas import sas_exp
@@ -299,7 +299,7 @@ def _prepare_v(v, preset, opts, compute_dtype, static_scales) -> tuple[Tensor, T
         values, scale = quant.quantize_fp8_per_channel(vc)
         return values.to(torch.float64) * scale.to(torch.float64).unsqueeze(-2), mean
     if preset == "int_flash":
-        fmt, group = "int8", group_sizes(opts.v_granularity, 1, lkv)[1]
+        fmt, group = "int8", int_flash_v_group(opts.v_granularity, lkv)
     elif preset == "fmha_int8":
         fmt, group = "int8", group_sizes("tensor", 1, lkv)[1]
     elif preset == "turbo":
