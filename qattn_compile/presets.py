@@ -91,10 +91,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -105,7 +107,7 @@ from pydantic import (
 )
 
 from .errors import PolicyError
-from .messages import problem_sentence
+from .messages import describe_value, problem_sentence
 
 
 class PresetOptions(BaseModel):
@@ -161,8 +163,22 @@ class IntFlashOptions(KernelOptions):
     p_scale: PScale = Field("tile", description=_P_SCALE_HELP)
 
 
-Amax = Annotated[StrictFloat, Field(ge=0.0)]
-"""A calibrated amax: a float, at least 0 (0 for a head that was all zeros)."""
+def _amax_or_amaxes(value: object) -> float | tuple[float, ...]:
+    """One calibrated amax for every head, or a list of them (one per head): finite numbers,
+    at least 0 (0 for a head that was all zeros). Checked here rather than as a pydantic
+    union, whose error would list every member of the union."""
+    items = value if isinstance(value, (list, tuple)) else (value,)
+    for item in items:
+        if (isinstance(item, bool) or not isinstance(item, (int, float))
+                or not math.isfinite(item) or item < 0):
+            raise ValueError("must be an amax (a finite number, at least 0) or a list of them "
+                             f"(one per head), got {describe_value(value)}")
+    amaxes = tuple(float(item) for item in items)
+    return amaxes if isinstance(value, (list, tuple)) else amaxes[0]
+
+
+AmaxPerHead = Annotated[tuple[float, ...] | float, BeforeValidator(_amax_or_amaxes)]
+"""A calibrated amax for every head (a float) or one per head (a tuple of floats)."""
 
 
 class StaticScales(BaseModel):
@@ -175,10 +191,10 @@ class StaticScales(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    q: tuple[Amax, ...] | Amax = Field(description="α_q: amax of Q per query head.")
-    k: tuple[Amax, ...] | Amax = Field(description="α_k: amax of K per kv head.")
-    v: tuple[Amax, ...] | Amax = Field(description="α_v: amax of V per kv head.")
-    o: tuple[Amax, ...] | Amax | None = Field(
+    q: AmaxPerHead = Field(description="α_q: amax of Q per query head.")
+    k: AmaxPerHead = Field(description="α_k: amax of K per kv head.")
+    v: AmaxPerHead = Field(description="α_v: amax of V per kv head.")
+    o: AmaxPerHead | None = Field(
         None, description="α_o: amax of O per query head (used with quantize_output)."
     )
 

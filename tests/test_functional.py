@@ -208,9 +208,14 @@ def test_static_scales_per_head_must_match_the_heads(static_scales, message):
 
 def test_static_scales_are_not_negative_and_calibration_files_need_the_backend():
     q, k, v = _qkv(hkv=4)
-    with pytest.raises(qattn_compile.PolicyError, match="greater than or equal to 0"):
-        qattn_compile.attention(q, k, v, preset="fmha_int8", scales="static",
-                                static_scales={"q": 1.0, "k": -3.0, "v": 1.0})
+    for k_amax, shown in ((-3.0, "a number -3.0"), ([1.0, float("nan")], "a list [1.0, nan]")):
+        with pytest.raises(qattn_compile.PolicyError) as error:
+            qattn_compile.attention(q, k, v, preset="fmha_int8", scales="static",
+                                    static_scales={"q": 1.0, "k": k_amax, "v": 1.0})
+        # one sentence for the field, not one per member of its type's union
+        assert ("field `static_scales.k`: must be an amax (a finite number, at least 0) or a "
+                f"list of them (one per head), got {shown}.") in str(error.value)
+        assert str(error.value).count("static_scales.k") == 1
     with pytest.raises(ValueError, match="read per site by the torch.compile backend"):
         qattn_compile.attention(q, k, v, preset="fmha_int8", scales="static",
                                 calibration="scales.pt")
