@@ -13,8 +13,9 @@ first).
 Constraints the launchers rely on (checked by :func:`attention_config`):
 
 - ``block_n`` divides V's tokens per scale whenever V carries one scale per block of tokens
-  (``v_block``: :data:`~qattn_compile.blocks.QUANT_BLOCK_KV`, or ``fp8``'s
-  :data:`~qattn_compile.blocks.FP8_BLOCK`; a tile of V tokens then has one scale);
+  (``v_block``: :data:`~qattn_compile.blocks.QUANT_BLOCK_KV`, or ``fp8``'s and
+  ``int_flash``'s :data:`~qattn_compile.blocks.FP8_BLOCK`; a tile of V tokens then has one
+  scale);
 - ``block_m`` divides :data:`~qattn_compile.blocks.SMOOTH_Q_BLOCK` (a query tile then shares
   one Q-smoothing mean, so ΔS is one row per tile), and with ΔS ``block_n`` is at most twice
   it (a causal call's ΔS leaves unwritten the keys no such tile reaches,
