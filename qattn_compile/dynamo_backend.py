@@ -213,7 +213,7 @@ def qattn_backend(gm, example_inputs, options: dict | None = None, mode: str | N
     """
     key = (id(options), mode)
     cached = _backends.get(key)
-    if cached is None or cached.options is not options or cached.snapshot != options:
+    if cached is None or cached.snapshot != options:  # the entry keeps the dict (so its id) alive
         settings = dict(options or {})
         if mode is not None:  # torch.compile(mode=...) without options
             settings["mode"] = mode
