@@ -224,7 +224,7 @@ def test_explain_table_has_one_row_per_site(typo_diff):
         assert format_shapes(report.shapes) in row
     assert "*self_attn" in rows[0]
     assert rows[0].endswith(
-        "int_flash  reference (CPU) int_flash q=int8/token k=int8/block p=int8/tile v=int8/block smooth=k")
+        "int_flash  reference (CPU) int_flash q=int8/token k=int8/128tok p=int8/tile v=int8/128tok smooth=k")
     assert re.search(r"\snone\s+left alone: ", rows[1])
     assert "1 of 2 attention site(s) rewritten, 1 left alone, 0 fell back" in explanation.format()
     assert explanation.unmatched_rules() == [TYPO_LINE]
@@ -270,12 +270,17 @@ def test_kernel_variant():
     )
     assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8/row v=int8/tensor smooth=off"
     report.options = {"v_granularity": "tensor", "smooth_k": True, "p_scale": "tile"}
-    assert kernel_variant(report) == (  # K's granularity left out: the default
-        "triton int_flash q=int8/token k=int8/block p=int8/tile v=int8/tensor smooth=k")
+    assert kernel_variant(report) == (  # K's granularity left out: the default, 128 tokens
+        "triton int_flash q=int8/token k=int8/128tok p=int8/tile v=int8/tensor smooth=k")
     report.preset, report.options = "sage2_4b", {"qk_granularity": "block", "smooth_k": True, "smooth_q": False}
-    assert kernel_variant(report) == "triton sage2_4b qk=int4/block p=fp8 v=fp8/channel smooth=k"
-    report.options = {**report.options, "pv": "fp16"}
-    assert kernel_variant(report) == "triton sage2_4b qk=int4/block p=fp16 v=fp16 smooth=k"
+    assert kernel_variant(report) == (
+        "triton sage2_4b q=int4/128tok k=int4/64tok p=fp8 v=fp8/channel smooth=k")
+    report.options = {**report.options, "pv": "fp16", "qk_granularity": "token"}
+    assert kernel_variant(report) == "triton sage2_4b qk=int4/token p=fp16 v=fp16 smooth=k"
+    report.preset, report.options = "fp8", {}  # the default `block`: Q per token, K/V per 128
+    assert kernel_variant(report) == "triton fp8 q=fp8/token kv=fp8/128tok p=fp8"
+    report.options = {"granularity": "tensor"}
+    assert kernel_variant(report) == "triton fp8 qkv=fp8/tensor p=fp8"
     report.status = FALLBACK
     assert kernel_variant(report) == "-"
 

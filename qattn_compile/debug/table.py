@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..presets import IntFlashOptions
+from ..blocks import fp8_group_sizes, group_sizes, int_flash_group_sizes, int_flash_v_group
+from ..presets import Fp8Options, IntFlashOptions, Sage2Options
 from ..report import REWRITTEN, SiteReport, format_grid
 
 COLUMNS = ("site (module FQN)", "class", "pattern", "shapes q / k / v", "mask", "GQA", "rule", "preset",
@@ -11,18 +12,40 @@ EXECUTION_LABELS = {"triton": "triton", "reference": "reference (CPU)"}
 """How the table names :func:`qattn_compile.ops.execution_path` values."""
 
 
+def _per(granularity: str, tokens: int) -> str:
+    """One scale group as the table prints it: ``token``, ``tensor`` or ``<n>tok``."""
+    if granularity == "tensor":
+        return "tensor"
+    return "token" if tokens == 1 else f"{tokens}tok"
+
+
+def _qk_formats(fmt: str, granularity: str, groups: tuple[int, int]) -> str:
+    """Q's and K's number format and scale groups (``groups``: tokens per scale for Q, K),
+    e.g. ``qk=int8/token`` or ``q=int8/token k=int8/128tok``."""
+    q, k = (_per(granularity, tokens) for tokens in groups)
+    return f"qk={fmt}/{q}" if q == k else f"q={fmt}/{q} k={fmt}/{k}"
+
+
+def _option(options: dict, model, name: str):
+    """``options[name]``, or the field's default in the preset's options ``model``."""
+    return options.get(name, model.model_fields[name].default)
+
+
 def _sage_formats(options: dict, bits: str) -> str:
     smooth = ",".join(t for t in ("q", "k", "v") if options.get(f"smooth_{t}")) or "off"
     pv = "p=fp8 v=fp8/channel" if options.get("pv", "fp8") == "fp8" else "p=fp16 v=fp16"
-    return f"qk={bits}/{options.get('qk_granularity')} {pv} smooth={smooth}"
+    granularity = _option(options, Sage2Options, "qk_granularity")
+    qk = _qk_formats(bits, granularity, group_sizes(granularity, 1, 1))
+    return f"{qk} {pv} smooth={smooth}"
 
 
 def _int_flash_formats(options: dict) -> str:
-    k_group = options.get("k_granularity", IntFlashOptions.model_fields["k_granularity"].default)
-    qk = "qk=int8/token" if k_group == "token" else f"q=int8/token k=int8/{k_group}"
+    k_group = _option(options, IntFlashOptions, "k_granularity")
+    v_group = _option(options, IntFlashOptions, "v_granularity")
+    qk = _qk_formats("int8", k_group, int_flash_group_sizes(k_group, 1, 1))
+    v = _per(v_group, int_flash_v_group(v_group, 1))
     smooth = "k" if options.get("smooth_k") else "off"
-    return (f"{qk} p=int8/{options.get('p_scale')} v=int8/{options.get('v_granularity')}"
-            f" smooth={smooth}")
+    return f"{qk} p=int8/{options.get('p_scale')} v=int8/{v} smooth={smooth}"
 
 
 def _fmha_formats(options: dict) -> str:
@@ -33,7 +56,16 @@ def _fmha_formats(options: dict) -> str:
 def _turbo_formats(options: dict) -> str:
     exp = options.get("exp")
     threshold = f" (threshold {options.get('sas_threshold')})" if exp == "sas" else ""
-    return f"qkv=int8/block p=int8/{options.get('p_scale')} exp={exp}{threshold}"
+    q, k = group_sizes("block", 1, 1)
+    return (f"q=int8/{_per('block', q)} kv=int8/{_per('block', k)}"
+            f" p=int8/{options.get('p_scale')} exp={exp}{threshold}")
+
+
+def _fp8_formats(options: dict) -> str:
+    granularity = _option(options, Fp8Options, "granularity")
+    q, k = (_per(granularity, tokens) for tokens in fp8_group_sizes(granularity, 1, 1))
+    qkv = f"qkv=fp8/{q}" if q == k else f"q=fp8/{q} kv=fp8/{k}"
+    return f"{qkv} p=fp8"
 
 
 QUANT_FORMATS = {
@@ -43,14 +75,15 @@ QUANT_FORMATS = {
     "sage2_8b": lambda o: _sage_formats(o, "int8"),
     "sage2_4b": lambda o: _sage_formats(o, "int4"),
     "turbo": _turbo_formats,
-    "fp8": lambda o: f"qkv=fp8/{o.get('granularity')} p=fp8",
+    "fp8": _fp8_formats,
 }
-"""Per preset: its options as the number formats of Q/K, P and V."""
+"""Per preset: its options as the number formats of Q/K, P and V, with the tokens each scale
+covers (the groups of :mod:`qattn_compile.blocks`)."""
 
 
 def kernel_variant(report: SiteReport) -> str:
-    """What serves a rewritten site, e.g. ``triton int_flash q=int8/token k=int8/block
-    p=int8/tile v=int8/tensor smooth=k``
+    """What serves a rewritten site, e.g. ``triton int_flash q=int8/token k=int8/128tok
+    p=int8/tile v=int8/128tok smooth=k``
     (`` tiles=autotuned`` appended when the site's tiles are timed, option ``autotune``).
 
     ``-`` for a site that was not rewritten.
