@@ -292,6 +292,12 @@ def test_ranking_files(tmp_path):
     f.write_text(json.dumps(["fp9"]))
     with pytest.raises(QattnError, match="unknown preset"):
         load_ranking(f)
+    f.write_text(json.dumps({"sage3": 1.0, "fp9": 2.0}))  # times, but no preset among them
+    with pytest.raises(QattnError, match=r"no preset among its keys \(sage3, fp9\)"):
+        load_ranking(f)
+    f.write_text(json.dumps({"times_ms": {"fp8": "fast"}}))
+    with pytest.raises(QattnError, match=r"times must be numbers \(ms\), got \{'fp8': 'fast'\}"):
+        load_ranking(f)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -419,14 +425,14 @@ from torch import nn
 
 
 class Frozen(nn.Module):
-    """K/V are parameters: attention that requires grad is not served (it falls back)."""
+    """Rank-5 attention (SDPA takes any batch dims): not served, so it falls back."""
 
     def __init__(self):
         super().__init__()
-        self.kv = nn.Parameter(torch.randn(1, 2, 8, 16))
+        self.kv = nn.Parameter(torch.randn(1, 1, 2, 8, 16))
 
     def forward(self, q):
-        return F.scaled_dot_product_attention(q, self.kv, self.kv)
+        return F.scaled_dot_product_attention(q[None], self.kv, self.kv)[0]
 
 
 class Plain(nn.Module):
@@ -464,7 +470,7 @@ def test_calibrate_and_tune_leave_out_a_site_that_falls_back(tmp_path, monkeypat
     assert [(s.key, s.status, len(s.calls)) for s in ev.fp.sites] == [
         ("ok", "rewritten", 1), ("frozen", "fallback", 0)]
     assert set(calibrate_capture(ev.fp)["sites"]) == {"ok"}
-    assert "frozen falls back" in caplog.text and "requires grad" in caplog.text
+    assert "frozen falls back" in caplog.text and "rank-5 inputs" in caplog.text
     result = tune(ev, 0.99)
     presets = {c.fqn: c.preset for c in result.choices}
     assert presets["frozen"] == "none" and presets["ok"] != "none", presets

@@ -581,6 +581,39 @@ def test_graph_needing_gradients_is_left_alone():
     assert rec.count(_is_qattn) == 0
 
 
+class ParameterKV(nn.Module):
+    """K and V are parameters used as they are (a learned memory): they require grad
+    themselves, whatever the grad mode."""
+
+    def __init__(self, chain: bool):
+        super().__init__()
+        self.chain = chain
+        self.k, self.v = (nn.Parameter(torch.randn(B, H, L, D)) for _ in range(2))
+
+    def forward(self, q, k, v, keep, bias):
+        if self.chain:
+            return torch.softmax(q @ self.k.mT * D**-0.5, dim=-1) @ self.v
+        return F.scaled_dot_product_attention(q, self.k, self.v)
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["sdpa", "matmul_softmax"])
+def test_parameter_kv_is_served_under_no_grad_and_refused_with_grad_mode_on(chain):
+    """What is refused is an attention whose result needs gradients, not an input that
+    requires grad: under no_grad a parameter K/V is served (it used to fall back)."""
+    expected, got, rec = run_compiled(ParameterKV(chain), *attention_inputs())
+    (report,) = rec.reports
+    assert report.status == REWRITTEN, report.reason
+    assert rec.count(_is_qattn) == 1
+    torch.testing.assert_close(got, expected, **EXACT)
+    _compat.reset_dynamo()
+    _, got, rec = run_compiled(ParameterKV(chain), *attention_inputs(), grad=True)
+    (report,) = rec.reports
+    assert report.status == FALLBACK and rec.count(_is_qattn) == 0
+    assert re.search(r"requires grad with grad mode on \(.*torch\.no_grad\(\)", report.reason), report.reason
+    assert ("key, value" in report.reason) != chain  # SDPA names its arguments, a chain its nodes
+    assert got.requires_grad
+
+
 def test_sdpa_dropout_in_training_is_refused():
     class DropoutSdpa(nn.Module):
         def forward(self, q, k, v, keep, bias):

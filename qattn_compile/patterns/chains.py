@@ -46,10 +46,10 @@ from .nodes import (
     arg,
     constant,
     describe,
+    grad_refusal,
     is_last_two_swap,
     is_minus_inf_like,
     is_one,
-    requires_grad,
     same_shape,
     same_size,
     shape_of,
@@ -312,13 +312,6 @@ def _shape_refusal(shapes: dict[str, tuple | None]) -> str | None:
     return None
 
 
-def _grad_refusal(nodes: list) -> str | None:
-    grads = [f"`{n.name}`" for n in nodes if isinstance(n, fx.Node) and requires_grad(n)]
-    if grads:
-        return f"{', '.join(grads)} requires grad (training through qattn is not served)"
-    return None
-
-
 def _mask_and_scale(steps: list) -> tuple[MaskSpec, list[Factor], str | None]:
     """The mask terms and scale factors of a walk's steps (graph order): every additive
     term is multiplied by the factors applied after it. The third value refuses a scale
@@ -420,12 +413,13 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
         chain=chain,
     )
     shapes = site.op_shapes()
+    inputs = [n for n in (q, k, v, *mask.nodes(), *(f.value for f in runtime)) if isinstance(n, fx.Node)]
     site.refusal = (
         refusal
         or scale_refusal
         or _reuse_refusal([qk.node, *walk.nodes], [softmax, *prob_nodes], pv.node)
         or _shape_refusal(shapes)
-        or _grad_refusal([q, k, v, *mask.nodes(), *(f.value for f in runtime)])
+        or grad_refusal(pv.node, {f"`{n.name}`": n for n in inputs})
     )
     if site.refusal is None and k_dims is None and v_dims is None and (found := gqa.unrepeat_kv(k, v)):
         (site.k, site.v), site.gqa_source = (found[0].source, found[1].source), found[0].how

@@ -174,6 +174,20 @@ def requires_grad(node: Any) -> bool:
     return bool(val is not None and val.requires_grad)
 
 
+def grad_refusal(output: fx.Node, inputs: dict[str, Any]) -> str | None:
+    """Why an attention whose result is ``output`` cannot be served for gradients, or None.
+
+    Only a result that requires grad is refused: the graph was traced with grad mode on and
+    some input (named by the keys of ``inputs``) requires grad. Under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` a parameter used directly as K/V still requires grad itself,
+    but no gradient will flow through the attention, so it is served."""
+    if not requires_grad(output):
+        return None
+    names = [name for name, node in inputs.items() if requires_grad(node)] or ["an input"]
+    return (f"{', '.join(names)} requires grad with grad mode on (training through qattn is "
+            "not served; run inference under torch.no_grad() or torch.inference_mode())")
+
+
 def describe(node: fx.Node) -> str:
     """``name = target`` for messages (``attn_weights_2 = masked_fill``)."""
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))

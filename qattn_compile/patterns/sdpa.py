@@ -15,7 +15,7 @@ from torch import fx
 from .. import _compat
 from . import gqa, masks
 from .masks import AdditiveTerm, KeepTerm, MaskSpec
-from .nodes import requires_grad, same_size, shape_of, tensor_value
+from .nodes import grad_refusal, same_size, shape_of, tensor_value
 from .scaling import Factor, as_factor
 from .site import AttentionSite, module_of, source_of
 
@@ -33,8 +33,8 @@ def _bound_args(node: fx.Node) -> dict:
     return bound
 
 
-def _refusal(args: dict, scale: Factor | str | None) -> str | None:
-    """Why an SDPA call cannot be rewritten, or None."""
+def _refusal(node: fx.Node, args: dict, scale: Factor | str | None) -> str | None:
+    """Why the SDPA call ``node`` (bound arguments ``args``) cannot be rewritten, or None."""
     for name in _CONSTANT_ONLY:
         if isinstance(args[name], fx.Node):
             return f"`{name}` is computed at run time; only constants can be served"
@@ -52,10 +52,10 @@ def _refusal(args: dict, scale: Factor | str | None) -> str | None:
     mask = tensor_value(args["attn_mask"])
     if mask is not None and mask.dim() > q.dim():
         return f"attn_mask of rank {mask.dim()} for rank-{q.dim()} inputs"
-    grads = [n for n in ("query", "key", "value", "attn_mask") if requires_grad(args[n])]
-    if grads or (isinstance(scale, Factor) and requires_grad(scale.value)):
-        return f"{', '.join(grads) or 'scale'} requires grad (training through qattn is not served)"
-    return None
+    inputs = {n: args[n] for n in ("query", "key", "value", "attn_mask")}
+    if isinstance(scale, Factor):
+        inputs["scale"] = scale.value
+    return grad_refusal(node, inputs)
 
 
 def _scale(args: dict, query: fx.Node) -> tuple[float | None, Factor | str | None]:
@@ -85,7 +85,7 @@ def sdpa_site(node: fx.Node) -> AttentionSite | None:
     args = _bound_args(node)
     q, k, v = args["query"], args["key"], args["value"]
     scale, factor = _scale(args, q)
-    refusal = _refusal(args, factor)
+    refusal = _refusal(node, args, factor)
     is_causal = args["is_causal"] is True
     mask = _mask(args["attn_mask"])
     chain, gqa_source, lengths_match = [node], None, False
