@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     add_debug_subcommands(sub)
     add_eval_subcommands(sub)
+    for command in sub.choices.values():  # `qattn explain ... -v` as well as `qattn -v explain ...`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log every site decision")
     return parser
 
 

@@ -7,13 +7,16 @@ A MODEL_SPEC is one of:
 - ``tiny-llama`` / ``tiny-bert``: the tiny random-weight Llama and BERT of
   :mod:`qattn_compile.zoo` (offline, seeded);
 - ``module:callable``: a callable returning ``(model, example_inputs)`` where example_inputs
-  is a dict of keyword tensors or a tuple of positional tensors.
+  is a dict of keyword tensors or a tuple of positional tensors; the module is imported from
+  ``sys.path`` or, failing that, from the working directory (``mymodels.py`` there).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,11 +130,25 @@ def load_model(spec: str) -> ModelBundle:
     )
 
 
+def _import_user_module(name: str):
+    """Import the user's module ``name``, looking in the working directory as ``python -m``
+    does when it is not found elsewhere (the ``qattn`` console script, unlike ``python``,
+    does not put the working directory on ``sys.path``; it stays there once added)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        cwd = os.getcwd()
+        if exc.name != name.partition(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+    sys.path.insert(0, cwd)
+    return importlib.import_module(name)
+
+
 def _from_callable(spec: str) -> ModelBundle:
     """``module:callable``: the bundle of the ``(model, example_inputs)`` it returns."""
     module_name, _, attr = spec.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        fn = getattr(_import_user_module(module_name), attr)
     except (ImportError, AttributeError, ValueError, TypeError) as exc:  # ":f", ".m:f"
         raise ModelSpecError(f"MODEL_SPEC {spec!r}: cannot load module:callable: {exc}") from None
     if not callable(fn):

@@ -47,7 +47,7 @@ TYPO_POLICY = textwrap.dedent(
         preset: fp8
     """
 )
-TYPO_LINE = "rule 2 (`*self_atn`) matched no site"
+TYPO_LINE = "rules[2] (`*self_atn`) matched no site"
 CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -252,6 +252,15 @@ def test_cli_explain_strict_fails_on_a_fallback_site(tmp_path, capsys):
     assert "1 problem(s)" in capsys.readouterr().err
 
 
+def test_cli_verbose_flag_before_or_after_the_subcommand():
+    from qattn_compile.cli import build_parser
+
+    parse = build_parser().parse_args
+    for command in (["explain", "tiny-llama"], ["tune", "tiny-llama", "--budget", "0.99", "-o", "t.yaml"], ["demo"]):
+        assert parse(["-v", *command]).verbose and parse([*command, "-v"]).verbose
+        assert parse([*command, "--verbose"]).verbose and not parse(command).verbose
+
+
 def test_cli_diff_writes_text_and_html(tmp_path, typo_policy_file, capsys):
     out_html = tmp_path / "diff.html"
     assert run_cli(["diff", "tiny-llama", "--policy", typo_policy_file, "--html", str(out_html)]) == 0
@@ -295,6 +304,50 @@ def test_spec_model_type_builds_a_tiny_random_model():
     assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (64, 2, 2)
     assert bundle.kwargs["input_ids"].shape == (2, 16)
     assert bundle.kwargs["attention_mask"][0, -1] == 0
+    # a decoder-only LM type is built as its causal LM, as the zoo's llama is: the site names a
+    # policy written from `explain`/`tune` on it matches are those of GemmaForCausalLM
+    assert (type(bundle.model).__name__, bundle.kind) == ("GemmaForCausalLM", "decoder")
+    assert [r.fqn for r in explain(bundle.model, bundle.kwargs).reports] == [
+        f"model.layers.{i}.self_attn" for i in range(2)]
+    assert type(load_spec("t5").model).__name__ == "T5Model"  # encoder-decoders: the bare model
+
+
+def test_spec_config_is_built_as_its_architectures_class(tmp_path):
+    """A checkpoint's config.json names the class it was saved from; the spec builds that one,
+    so that `qattn tune <config.json>` writes rules for the model the user loads
+    (GPT2LMHeadModel's `transformer.h.0.attn`, not GPT2Model's `h.0.attn`)."""
+    config = load_spec("gpt2").model.config
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path / "lm")
+    config.architectures = ["GPT2Model"]
+    config.save_pretrained(tmp_path / "bare")
+    lm, bare = load_spec(str(tmp_path / "lm" / "config.json")), load_spec(str(tmp_path / "bare"))
+    assert (type(lm.model).__name__, lm.kind) == ("GPT2LMHeadModel", "decoder")
+    assert (type(bare.model).__name__, bare.kind) == ("GPT2Model", "encoder")
+    assert explain(lm.model, lm.kwargs).reports[0].fqn == "transformer.h.0.attn"
+    assert explain(bare.model, bare.kwargs).reports[0].fqn == "h.0.attn"
+
+
+def test_spec_path_that_does_not_exist_is_named_as_such(tmp_path):
+    for spec in (str(tmp_path / "nowhere" / "config.json"), "./nowhere/config.json", "missing.json"):
+        with pytest.raises(ModelSpecError, match=f"MODEL_SPEC '{re.escape(spec)}': no such file or directory"):
+            load_spec(spec)
+
+
+def test_spec_callable_in_the_working_directory(tmp_path, monkeypatch):
+    """The `qattn` console script does not put the working directory on sys.path (`python -m`
+    does); a `module:callable` there is found all the same."""
+    (tmp_path / "my_models_in_cwd.py").write_text(
+        "import torch\n"
+        "def make():\n    return torch.nn.Linear(2, 2), (torch.randn(1, 2),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_models_in_cwd", raising=False)
+    bundle = load_spec("my_models_in_cwd:make")
+    assert isinstance(bundle.model, torch.nn.Linear) and bundle.args[0].shape == (1, 2)
+    with pytest.raises(ModelSpecError, match="No module named 'not_in_cwd_either'"):
+        load_spec("not_in_cwd_either:make")
 
 
 def test_spec_config_path_and_explain_a_bert(tmp_path):
@@ -392,7 +445,7 @@ def test_torch_logs_plus_qattn_shows_the_report(tmp_path):
 
 @pytest.mark.skipif(
     shutil.which("chromium") is None,
-    reason="chromium is not on PATH: `apt-get install -y chromium chromium-driver` (DESIGN.md §5) "
+    reason="chromium is not on PATH: `apt-get install -y chromium chromium-driver` "
     "to check the HTML graph diff in a real browser",
 )
 def test_html_renders_in_headless_chromium(typo_diff, tmp_path):

@@ -14,7 +14,9 @@ A MODEL_SPEC is, in the order it is tried:
 5. ``module:callable`` returning ``(model, example_inputs)`` (see :mod:`qattn_compile.models`);
 6. a Hugging Face hub id (``org/name``) whose config is in the local cache.
 
-Models built from a config get random weights (seeded) and random token inputs.
+Models built from a config get random weights (seeded) and random token inputs. Their class
+(:func:`model_class`) decides the site names a policy matches: ``model.layers.0.self_attn``
+in a ``LlamaForCausalLM``, ``layers.0.self_attn`` in a bare ``LlamaModel``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def load_spec(spec: str) -> ModelBundle:
         return ZOO[name].build(implementation or "sdpa")
     if Path(spec).exists():
         return bundle_from_config(spec, _config_from_pretrained(spec))
+    if spec.endswith(".json") or spec.startswith(("./", "../", "/", "~")):
+        raise ModelSpecError(f"MODEL_SPEC {spec!r}: no such file or directory")
     if spec in _model_types():
         return bundle_from_config(spec, tiny_config(spec))
     if ":" in spec:
@@ -113,17 +117,49 @@ def _tiny_overrides(config) -> dict:
     return overrides
 
 
-def bundle_from_config(name: str, config) -> ModelBundle:
-    """A random-weight ``AutoModel`` of ``config`` (SDPA attention where it has it) and inputs."""
-    from transformers import AutoModel
+def model_class(config):
+    """The transformers class a config spec is built as, chosen so that its site names (module
+    FQNs) are those of the model a policy is written for: the config's own
+    ``architectures[0]`` where it names one (a checkpoint's ``config.json``: the class it was
+    saved from); else, for a model type, its causal-LM class where it is a decoder-only
+    language model (as the zoo builds them), and ``AutoModel`` (the bare model) otherwise:
+    encoders, encoder-decoders, vision models."""
+    import transformers
+    from transformers.models.auto import modeling_auto
 
+    for name in getattr(config, "architectures", None) or ():
+        if (cls := getattr(transformers, name, None)) is not None:
+            return cls
+    model_type = config.model_type
+    if (model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(config, "is_encoder_decoder", False)):
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModel
+
+
+def bundle_from_config(name: str, config) -> ModelBundle:
+    """A random-weight model of ``config`` (class: :func:`model_class`; SDPA attention where
+    it has it) and random inputs; a causal LM's logits are what the commands compare."""
+    cls = model_class(config)
+    build = cls.from_config if cls.__name__.startswith("AutoModel") else cls._from_config
     torch.manual_seed(0)
     try:
-        model = AutoModel.from_config(config, attn_implementation="sdpa")
+        model = build(config, attn_implementation="sdpa")
     except ValueError:  # the architecture has no SDPA path: keep its hand-written attention
-        model = AutoModel.from_config(config, attn_implementation="eager")
+        model = build(config, attn_implementation="eager")
     model.eval()
-    return ModelBundle(name, model, kwargs=random_inputs(model, config))
+    kind = "decoder" if type(model).__name__ in _causal_lm_classes() else "encoder"
+    return ModelBundle(name, model, kwargs=random_inputs(model, config), kind=kind)
+
+
+def _causal_lm_classes() -> set[str]:
+    from transformers.models.auto import modeling_auto
+
+    names = set()
+    for value in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
 
 
 def random_inputs(model: torch.nn.Module, config) -> dict:
