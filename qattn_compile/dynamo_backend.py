@@ -112,6 +112,7 @@ class QattnBackend:
         self.site_reports: list[SiteReport] = []
         self._graphs = 0
         self._graph_break = False
+        self._warned: set[str] = set()  # the unmatched-rule lines already logged
 
     @property
     def policy(self) -> Policy:
@@ -151,8 +152,8 @@ class QattnBackend:
                 "qattn_compile.last_backend().unmatched_rules(), the report file, or `qattn "
                 "explain --strict`", self._graphs - 1, getattr(reason, "reason", "?"),
                 " (strict: true is not enforced)" if self.policy.strict else "")
-        if not self._graph_break:
-            self.policy.check_unmatched(self.matched_rules())
+        if not self._graph_break:  # each rule warned about once, not once per graph
+            self._warned.update(self.policy.check_unmatched(self.matched_rules(), self._warned))
 
 
 @functools.lru_cache(maxsize=1)

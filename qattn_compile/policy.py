@@ -99,6 +99,10 @@ def _matcher(pattern: str) -> Callable[[str], bool]:
         return lambda name: regex.fullmatch(name) is not None
     if not pattern:
         raise ValueError("empty pattern")
+    opened = pattern.rfind("[")
+    if opened >= 0 and "]" not in pattern[opened + 2 :]:  # `[]...]` may hold a `]` first
+        raise ValueError(f"unclosed `[` in glob {pattern!r} (module names hold no `[`; a glob "
+                         "would read it as a literal and match nothing)")
     return lambda name: fnmatch.fnmatchcase(name, pattern)
 
 
@@ -114,6 +118,8 @@ def _check_pattern(value: str | None) -> str | None:
 
 
 def _check_preset_name(value: Any) -> str:
+    if value is None:
+        raise ValueError(f"is empty; choose one of: {', '.join(PRESET_NAMES)}")
     if not isinstance(value, str) or value not in PRESET_NAMES:
         raise ValueError(f"unknown preset {value!r}; choose one of: {', '.join(PRESET_NAMES)}")
     return value
@@ -489,7 +495,7 @@ class Policy(BaseModel):
         """One description per rule whose index is not in ``matched_indices`` (the union of
         the sites' :attr:`Decision.matched_rules`)."""
         return [
-            f"rule {i} ({rule.short_label()}) matched no site"
+            f"rules[{i}] ({rule.short_label()}) matched no site"
             for i, rule in enumerate(self.rules)
             if i not in matched_indices
         ]
@@ -498,14 +504,16 @@ class Policy(BaseModel):
         """A copy of this policy with ``strict`` replaced (the backend's ``strict`` option)."""
         return self.model_copy(update={"strict": strict})
 
-    def check_unmatched(self, matched_indices: Collection[int]) -> list[str]:
-        """Warn about every rule that matched no site; with ``strict: true`` raise instead.
+    def check_unmatched(self, matched_indices: Collection[int], warned: Collection[str] = ()) -> list[str]:
+        """Warn about every rule that matched no site (except the descriptions in ``warned``,
+        already given); with ``strict: true`` raise instead.
 
         Returns the descriptions (empty when every rule matched something).
         """
         unmatched = self.unmatched_rules(matched_indices)
         for text in unmatched:
-            logger.warning("policy %s: %s", self.source, text)
+            if text not in warned:
+                logger.warning("policy %s: %s", self.source, text)
         if unmatched and self.strict:
             raise PolicyError(
                 f"policy {self.source}: strict: true and {len(unmatched)} rule(s) matched no "

@@ -354,9 +354,10 @@ def resolve_options(preset: str, options: dict | PresetOptions | None = None) ->
             if e["loc"] else f"options: {problem_sentence(e, cls, '')}"
             for e in exc.errors()
         )
-        raise PolicyError(
-            f"bad options for preset {preset!r}: {problems}. Allowed: {describe_fields(preset)}"
-        ) from None
+        unknown = any(e["type"] == "extra_forbidden" for e in exc.errors())
+        fields = ", ".join(f"{n} (default {f.default!r})" for n, f in cls.model_fields.items())
+        allowed = f". {preset}'s options: {fields}" if unknown else ""  # a bad value names its own
+        raise PolicyError(f"bad options for preset {preset!r}: {problems}{allowed}") from None
 
 
 @functools.lru_cache(maxsize=512)

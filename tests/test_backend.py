@@ -1,6 +1,7 @@
 """The dynamo backend: registration, options, SDPA rewrite, report, fallback."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -204,8 +205,26 @@ def test_strict_waits_for_the_later_graphs_of_a_graph_break(caplog):
     be = qattn_compile.backend(policy, compiler="eager")
     torch.compile(TwoGraphs(), backend=be)(torch.randn(1, 2, 8, 16))
     assert [(r.fqn, r.status) for r in be.site_reports] == [("a1", LEFT_ALONE), ("a2", REWRITTEN)]
-    assert [line.split(" (")[0] for line in be.unmatched_rules()] == ["rule 1"]
+    assert [line.split(" (")[0] for line in be.unmatched_rules()] == ["rules[1]"]
     assert "graph break" in caplog.text and "strict: true is not enforced" in caplog.text
+
+
+def test_an_unmatched_rule_is_warned_about_once_not_once_per_graph(caplog):
+    """A recompile (here a new shape with dynamic=False; generate()'s prefill and decode
+    graphs alike) checks the rules again: a rule that still matches nothing is not logged
+    a second time."""
+    class Sdpa(nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q)
+
+    policy = {"qattn": 1, "default": "flash", "rules": [{"match": "no_such_site", "preset": "flash"}]}
+    be = qattn_compile.backend(policy, compiler="eager")
+    compiled = torch.compile(Sdpa(), backend=be, dynamic=False)
+    with caplog.at_level(logging.WARNING, logger="qattn_compile"):
+        compiled(torch.randn(1, 2, 8, 16))
+        compiled(torch.randn(1, 2, 9, 16))
+    assert len(be.site_reports) == 2 and {r.graph_index for r in be.site_reports} == {0, 1}
+    assert caplog.text.count("rules[0] (`no_such_site`) matched no site") == 1, caplog.text
 
 
 def test_an_options_dict_changed_between_compiles_gets_a_new_backend():

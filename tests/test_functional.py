@@ -214,7 +214,7 @@ def test_static_scales_are_not_negative_and_calibration_files_need_the_backend()
                                     static_scales={"q": 1.0, "k": k_amax, "v": 1.0})
         # one sentence for the field, not one per member of its type's union
         assert ("field `static_scales.k`: must be an amax (a finite number, at least 0) or a "
-                f"list of them (one per head), got {shown}.") in str(error.value)
+                f"list of them (one per head), got {shown}") in str(error.value)
         assert str(error.value).count("static_scales.k") == 1
     with pytest.raises(ValueError, match="read per site by the torch.compile backend"):
         qattn_compile.attention(q, k, v, preset="fmha_int8", scales="static",

@@ -148,7 +148,8 @@ def test_policy_is_immutable():
                                       "allowed keys: qattn, default, default_options, ignore, "
                                       "on_unsupported, strict, rules"]),
         ("qattn: 1\ndefault: flash\ndefault_options: {x: 1}",
-         ["field `default_options`", "bad options for preset 'flash'", "Allowed: autotune (default False)"]),
+         ["field `default_options`", "bad options for preset 'flash'", "flash's options: autotune (default False)"]),
+        ("qattn: 1\ndefault:", ["field `default`", "is empty; choose one of: none"]),
         ("qattn: 1\nignore: ['re:(']", ["field `ignore`", "ignore[0]", "bad regular expression"]),
         ("qattn: 1\nignore: [a, 3]", ["ignore[1]", "must be a string", "got a number 3"]),
     ],
@@ -204,6 +205,8 @@ rules:
          ["rules[2] (match 'a', module_class 're:[')", "field `module_class`",
           "bad regular expression"]),
         ("{match: 7, preset: flash}", ["rules[2] (match 7)", "field `match`", "must be a string"]),
+        ("{match: 'model.layers.[0-3.self_attn', preset: flash}",
+         ["rules[2] (match 'model.layers.[0-3.self_attn')", "field `match`", "unclosed `[` in glob"]),
         ("{match: 'x', preset: sage2_8b, options: [block]}",
          ["rules[2] (match 'x')", "field `options`", "must be a mapping", "qk_granularity"]),
     ],
@@ -213,6 +216,17 @@ def test_rule_errors_name_rule_match_field_and_allowed(rule, fragments):
     for fragment in fragments:
         assert fragment in message, (fragment, message)
     assert "rules[0]" not in message and "rules[1]" not in message
+
+
+def test_a_bad_option_value_is_one_sentence_an_unknown_key_lists_the_options():
+    """A wrong value says what is allowed for that field alone; the list of every option
+    (~1,000 characters of descriptions before) comes only with an unknown key, as names and
+    defaults."""
+    bad_value = error_of(RULES.format(rule="{match: x, preset: int_flash, options: {p_scale: rows}}"))
+    assert bad_value.endswith("field `p_scale`: got a string 'rows'; allowed: 'tile' or 'row'")
+    unknown = error_of(RULES.format(rule="{match: x, preset: int_flash, options: {p_scal: row}}"))
+    assert "int_flash's options: autotune (default False), v_granularity (default 'block')" in unknown
+    assert len(unknown) < 600, unknown
 
 
 def test_errors_name_the_file(tmp_path):
@@ -464,8 +478,8 @@ def test_unmatched_rules_descriptions():
     p = load_policy(FULL)
     assert p.unmatched_rules({0, 1, 2, 3}) == []
     assert p.unmatched_rules({0, 2}) == [
-        "rule 1 (`re:model\\.layers\\.(0|31)\\.self_attn`) matched no site",
-        "rule 3 (`enc.*`, class `*Attention`) matched no site",
+        "rules[1] (`re:model\\.layers\\.(0|31)\\.self_attn`) matched no site",
+        "rules[3] (`enc.*`, class `*Attention`) matched no site",
     ]
 
 
@@ -479,9 +493,9 @@ def test_check_unmatched_warns_when_not_strict(caplog):
     matched = {d.rule_index for d in (p.decide("l.0.self_attn"), p.decide("l.1.self_attn"))}
     assert matched == {1}
     with caplog.at_level(logging.WARNING, logger="qattn_compile.policy"):
-        assert p.check_unmatched(matched) == ["rule 0 (`*self_atn`) matched no site"]
+        assert p.check_unmatched(matched) == ["rules[0] (`*self_atn`) matched no site"]
     assert [r.getMessage() for r in caplog.records] == [
-        "policy <policy text>: rule 0 (`*self_atn`) matched no site"]
+        "policy <policy text>: rules[0] (`*self_atn`) matched no site"]
     assert caplog.records[0].name == "qattn_compile.policy"
 
 
@@ -499,8 +513,8 @@ def test_check_unmatched_raises_when_strict(caplog):
         p.check_unmatched({2})
     message = str(info.value)
     assert message.startswith("policy <policy text>: strict: true and 2 rule(s) matched no ")
-    assert "rule 0 (`*self_atn`) matched no site" in message
-    assert "rule 1 (class `Bert`) matched no site" in message
+    assert "rules[0] (`*self_atn`) matched no site" in message
+    assert "rules[1] (class `Bert`) matched no site" in message
     assert "strict: false" in message
 
 

@@ -58,7 +58,7 @@ class Capture:
         return [site.report for graph in self.graphs for site in graph.sites]
 
     def unmatched_rules(self) -> list[str]:
-        """The policy's lines for the rules no site matched (e.g. ``rule 2 (`*x`) matched no site``)."""
+        """The policy's lines for the rules no site matched (e.g. ``rules[2] (`*x`) matched no site``)."""
         matched = {i for r in self.reports for i in r.matched_rules}
         return self.policy.unmatched_rules(matched)
 

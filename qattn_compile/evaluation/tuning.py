@@ -87,10 +87,14 @@ def load_ranking(path: str | Path) -> tuple[list[str], str]:
     if isinstance(data, dict) and "ranking" in data:
         data = data["ranking"]
     elif isinstance(data, dict):
-        times = data.get("times_ms", data)
-        times = {k: v for k, v in times.items() if k in PRESET_NAMES}
-        if not times or not all(isinstance(v, (int, float)) for v in times.values()):
-            raise QattnError(f"ranking file {path}: expected a list of presets or preset -> ms")
+        found = data.get("times_ms", data)
+        times = {k: v for k, v in found.items() if k in PRESET_NAMES} if isinstance(found, dict) else {}
+        if not times:
+            keys = ", ".join(map(str, found)) if isinstance(found, dict) else type(found).__name__
+            raise QattnError(f"ranking file {path}: no preset among its keys ({keys}); expected a "
+                             "list of presets or preset -> ms")
+        if bad := {k: v for k, v in times.items() if not isinstance(v, (int, float))}:
+            raise QattnError(f"ranking file {path}: times must be numbers (ms), got {bad}")
         data = sorted(times, key=times.get)
     if not isinstance(data, list) or not data:
         raise QattnError(f"ranking file {path}: expected a non-empty list of presets")
