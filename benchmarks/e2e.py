@@ -5,7 +5,7 @@ Run on the GPU machine from the repository root::
     PYTHONPATH=. python3 benchmarks/e2e.py --out $OUT/e2e.json
 
 The model: hidden 2048, 32 query / 8 key-value heads, head dim 64, MLP 8192, ``--layers``
-decoder layers (8 by default, as in DESIGN.md §6), random bf16 weights, batch 1, run as
+decoder layers (8 by default, as in issue #8's anchor), random bf16 weights, batch 1, run as
 ``model.model(input_ids)`` (no LM head). Reported per sequence length: median latency
 (``triton.testing.do_bench``), peak memory, and the cosine of the last hidden state against
 eager. ``--options '{"pv": "fp16"}'`` passes preset options; mode ``qattn-autotune`` is qattn
