@@ -286,4 +286,7 @@ def _decide(site: AttentionSite, decision: Decision, policy: Policy, graph_index
     report.status = REWRITTEN
     report.execution = ops.execution_path(device)
     log.info("qattn: %s -> %s (%s)", site.fqn, decision.preset, decision.rule_text)
+    if report.execution != "triton" and getattr(decision.options, "autotune", False):
+        log.info("qattn: %s: autotune has no effect here (the %s path runs; tiles are timed "
+                 "only for the Triton kernels on CUDA)", site.fqn, report.execution)
     return report

@@ -308,7 +308,8 @@ def _sdpa(q, k, v):
     [({"autotune": True}, True), ({}, False), ({"mode": "max-autotune"}, True),
      ({"mode": "max-autotune", "autotune": False}, False)],
 )
-def test_backend_option_sets_every_site(backend_options, expected):
+def test_backend_option_sets_every_site(backend_options, expected, caplog):
+    caplog.set_level(logging.INFO, logger="qattn_compile")
     mode = backend_options.pop("mode", None)
     be = QattnBackend(
         {"qattn": 1, "default": "sage2_8b"}, mode=mode, compiler="eager", **backend_options
@@ -318,6 +319,10 @@ def test_backend_option_sets_every_site(backend_options, expected):
     torch.compile(_sdpa, backend=be)(q, q, q)
     (report,) = be.site_reports
     assert report.options["autotune"] is expected
+    assert report.execution == "reference"  # on CPU: no tiles to time, and the table says none
+    assert not kernel_variant(report).endswith("tiles=autotuned")
+    assert ("autotune has no effect here (the reference path runs" in caplog.text) is expected
+    report.execution = "triton"  # what the same site reports on CUDA
     assert kernel_variant(report).endswith("tiles=autotuned") is expected
     _compat.reset_dynamo()
 

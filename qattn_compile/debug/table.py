@@ -84,7 +84,8 @@ covers (the groups of :mod:`qattn_compile.blocks`)."""
 def kernel_variant(report: SiteReport) -> str:
     """What serves a rewritten site, e.g. ``triton int_flash q=int8/token k=int8/128tok
     p=int8/tile v=int8/128tok smooth=k``
-    (`` tiles=autotuned`` appended when the site's tiles are timed, option ``autotune``).
+    (`` tiles=autotuned`` appended when the site's Triton kernel's tiles are timed, option
+    ``autotune``; the reference path has no tiles).
 
     ``-`` for a site that was not rewritten.
     """
@@ -92,7 +93,7 @@ def kernel_variant(report: SiteReport) -> str:
         return "-"
     where = EXECUTION_LABELS.get(report.execution, report.execution or "?")
     formats = QUANT_FORMATS.get(report.preset, lambda o: "")(report.options)
-    tiles = " tiles=autotuned" if report.options.get("autotune") else ""
+    tiles = " tiles=autotuned" if report.options.get("autotune") and report.execution == "triton" else ""
     return f"{where} {report.preset} {formats}{tiles}".rstrip()
 
 
