@@ -35,8 +35,8 @@ def problem_sentence(
     kind, value = error["type"], error.get("input")
     if kind == "extra_forbidden":
         allowed = list(model.model_fields)
-        if not allowed:  # the caller's own "Allowed: ..." says that none is
-            return f"unknown key `{field}`"
+        if not allowed:
+            return f"unknown key `{field}`; no keys are allowed here"
         close = difflib.get_close_matches(str(field), allowed, n=1)
         hint = f" (did you mean `{close[0]}`?)" if close else ""
         return f"unknown key `{field}`{hint}; allowed keys: {', '.join(allowed)}"

@@ -131,17 +131,22 @@ def load_model(spec: str) -> ModelBundle:
 
 
 def _import_user_module(name: str):
-    """Import the user's module ``name``, looking in the working directory as ``python -m``
-    does when it is not found elsewhere (the ``qattn`` console script, unlike ``python``,
-    does not put the working directory on ``sys.path``; it stays there once added)."""
+    """Import the user's module ``name``, looking in the working directory when it is not
+    found elsewhere (the ``qattn`` console script, unlike ``python -m``, does not put the
+    working directory on ``sys.path``). The directory is appended to ``sys.path`` and stays
+    there once the import succeeds, so the module's own imports of its neighbours work."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         cwd = os.getcwd()
         if exc.name != name.partition(".")[0] or cwd in sys.path or "" in sys.path:
             raise
-    sys.path.insert(0, cwd)
-    return importlib.import_module(name)
+    sys.path.append(cwd)  # last: a file there never shadows a module found elsewhere
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        sys.path.remove(cwd)
+        raise
 
 
 def _from_callable(spec: str) -> ModelBundle:

@@ -64,7 +64,7 @@ from pydantic import (
 from .blocks import KV_CACHE_BLOCK
 from .errors import PolicyError
 from .messages import describe_value, problem_sentence
-from .presets import PRESET_NAMES, NoOptions, PresetOptions, describe_fields, resolve_options
+from .presets import PRESET_NAMES, NoOptions, PresetOptions, option_names, resolve_options
 
 logger = logging.getLogger("qattn_compile.policy")
 
@@ -99,11 +99,28 @@ def _matcher(pattern: str) -> Callable[[str], bool]:
         return lambda name: regex.fullmatch(name) is not None
     if not pattern:
         raise ValueError("empty pattern")
-    opened = pattern.rfind("[")
-    if opened >= 0 and "]" not in pattern[opened + 2 :]:  # `[]...]` may hold a `]` first
-        raise ValueError(f"unclosed `[` in glob {pattern!r} (module names hold no `[`; a glob "
-                         "would read it as a literal and match nothing)")
+    if (opened := _unclosed_bracket(pattern)) is not None:
+        raise ValueError(f"unclosed `[` at position {opened} of glob {pattern!r} (a glob reads "
+                         "it as a literal `[`, which no module or class name holds; `[[]` "
+                         "matches a literal `[`)")
     return lambda name: fnmatch.fnmatchcase(name, pattern)
+
+
+def _unclosed_bracket(pattern: str) -> int | None:
+    """The position of a ``[`` that opens no set in glob ``pattern`` (scanned as
+    :func:`fnmatch.translate` does: a set may start with ``!`` and then ``]``), or None."""
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "[":
+            j = i + 1
+            j += j < len(pattern) and pattern[j] == "!"
+            j += j < len(pattern) and pattern[j] == "]"
+            close = pattern.find("]", j)
+            if close < 0:
+                return i
+            i = close
+        i += 1
+    return None
 
 
 def match_pattern(pattern: str, name: str) -> bool:
@@ -134,14 +151,14 @@ def _resolve(preset: str | None, options: Any) -> PresetOptions:
     if not isinstance(options, (Mapping, PresetOptions)):
         raise ValueError(
             f"options must be a mapping of option names to values, got {describe_value(options)}; "
-            f"options of preset {preset!r}: {describe_fields(preset)}"
+            f"options of preset {preset!r}: {option_names(preset)}"
         )
     if isinstance(options, Mapping):
         bad = [k for k in options if not isinstance(k, str)]
         if bad:
             raise ValueError(
                 f"option names must be strings, got {bad[0]!r}; "
-                f"options of preset {preset!r}: {describe_fields(preset)}"
+                f"options of preset {preset!r}: {option_names(preset)}"
             )
         options = dict(options)
     return resolve_options(preset, options)

@@ -321,14 +321,10 @@ PRESET_METHODS: dict[str, str] = {
 }
 
 
-def describe_fields(preset: str) -> str:
-    """One line per option of ``preset``: ``name (default): description``."""
-    fields = PRESET_OPTIONS[preset].model_fields
-    if not fields:
-        return "(no options)"
-    return "; ".join(
-        f"{n} (default {f.default!r}): {(f.description or '').rstrip('.')}" for n, f in fields.items()
-    )
+def option_names(preset: str) -> str:
+    """The options ``preset`` takes, for messages: ``autotune, v_granularity, ...`` or
+    ``none (the preset takes no options)``."""
+    return ", ".join(PRESET_OPTIONS[preset].model_fields) or "none (the preset takes no options)"
 
 
 def resolve_options(preset: str, options: dict | PresetOptions | None = None) -> PresetOptions:
@@ -354,10 +350,7 @@ def resolve_options(preset: str, options: dict | PresetOptions | None = None) ->
             if e["loc"] else f"options: {problem_sentence(e, cls, '')}"
             for e in exc.errors()
         )
-        unknown = any(e["type"] == "extra_forbidden" for e in exc.errors())
-        fields = ", ".join(f"{n} (default {f.default!r})" for n, f in cls.model_fields.items())
-        allowed = f". {preset}'s options: {fields}" if unknown else ""  # a bad value names its own
-        raise PolicyError(f"bad options for preset {preset!r}: {problems}{allowed}") from None
+        raise PolicyError(f"bad options for preset {preset!r}: {problems}") from None
 
 
 @functools.lru_cache(maxsize=512)

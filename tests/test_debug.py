@@ -274,7 +274,7 @@ def test_kernel_variant():
     report = SiteReport(
         fqn="l.0.attn", module_class="A", pattern="sdpa", source=None, shapes={}, dtype="float16",
         mask_kind="none", gqa_group=1, preset="int_flash",
-        options={"v_granularity": "tensor", "p_scale": "row", "k_granularity": "token"},
+        options={"v_granularity": "tensor", "p_scale": "row", "k_granularity": "token", "smooth_k": False},
         rule="default", rule_index=None, status=REWRITTEN, reason="", execution="triton",
     )
     assert kernel_variant(report) == "triton int_flash qk=int8/token p=int8/row v=int8/tensor smooth=off"
@@ -290,6 +290,8 @@ def test_kernel_variant():
     assert kernel_variant(report) == "triton fp8 q=fp8/token kv=fp8/128tok p=fp8"
     report.options = {"granularity": "tensor"}
     assert kernel_variant(report) == "triton fp8 qkv=fp8/tensor p=fp8"
+    report.preset, report.options = "turbo", {}  # options a report leaves out are the defaults
+    assert kernel_variant(report) == "triton turbo q=int8/128tok kv=int8/64tok p=int8/tile exp=sas (threshold -6.0)"
     report.status = FALLBACK
     assert kernel_variant(report) == "-"
 
@@ -326,6 +328,19 @@ def test_spec_config_is_built_as_its_architectures_class(tmp_path):
     assert (type(bare.model).__name__, bare.kind) == ("GPT2Model", "encoder")
     assert explain(lm.model, lm.kwargs).reports[0].fqn == "transformer.h.0.attn"
     assert explain(bare.model, bare.kwargs).reports[0].fqn == "h.0.attn"
+    # a name that is no PyTorch model of this config, or a head random inputs may not fit
+    # (sequence classification wants a pad token), falls back to the model type's class
+    for name in ("TFGPT2LMHeadModel", "LlamaForCausalLM", "GPT2Config", "GPT2ForSequenceClassification",
+                 "NoSuchModel"):
+        config.architectures = [name]
+        config.save_pretrained(tmp_path / name)
+        assert type(load_spec(str(tmp_path / name)).model).__name__ == "GPT2LMHeadModel", name
+
+
+def test_spec_config_path_may_start_with_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    load_spec("bert").model.config.save_pretrained(tmp_path / "cfg")
+    assert type(load_spec("~/cfg/config.json").model).__name__ == "BertModel"
 
 
 def test_spec_path_that_does_not_exist_is_named_as_such(tmp_path):
@@ -346,8 +361,11 @@ def test_spec_callable_in_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "my_models_in_cwd", raising=False)
     bundle = load_spec("my_models_in_cwd:make")
     assert isinstance(bundle.model, torch.nn.Linear) and bundle.args[0].shape == (1, 2)
+    assert sys.path[-1] == str(tmp_path)  # last: a file there shadows no installed module
+    sys.path.remove(str(tmp_path))
     with pytest.raises(ModelSpecError, match="No module named 'not_in_cwd_either'"):
         load_spec("not_in_cwd_either:make")
+    assert str(tmp_path) not in sys.path  # not left behind by a failed lookup
 
 
 def test_spec_config_path_and_explain_a_bert(tmp_path):

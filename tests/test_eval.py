@@ -293,7 +293,10 @@ def test_ranking_files(tmp_path):
     with pytest.raises(QattnError, match="unknown preset"):
         load_ranking(f)
     f.write_text(json.dumps({"sage3": 1.0, "fp9": 2.0}))  # times, but no preset among them
-    with pytest.raises(QattnError, match=r"no preset among its keys \(sage3, fp9\)"):
+    with pytest.raises(QattnError, match=r"no preset times \(its keys are sage3, fp9\)"):
+        load_ranking(f)
+    f.write_text(json.dumps({"times_ms": [1.0, 2.0]}))
+    with pytest.raises(QattnError, match="`times_ms` must map presets to ms, got a list"):
         load_ranking(f)
     f.write_text(json.dumps({"times_ms": {"fp8": "fast"}}))
     with pytest.raises(QattnError, match=r"times must be numbers \(ms\), got \{'fp8': 'fast'\}"):

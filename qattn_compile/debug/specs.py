@@ -69,8 +69,8 @@ def load_spec(spec: str) -> ModelBundle:
                 f"of {', '.join(ATTN_IMPLEMENTATIONS)} after the colon, got {implementation!r}"
             )
         return ZOO[name].build(implementation or "sdpa")
-    if Path(spec).exists():
-        return bundle_from_config(spec, _config_from_pretrained(spec))
+    if (path := Path(spec).expanduser()).exists():
+        return bundle_from_config(spec, _config_from_pretrained(str(path)))
     if spec.endswith(".json") or spec.startswith(("./", "../", "/", "~")):
         raise ModelSpecError(f"MODEL_SPEC {spec!r}: no such file or directory")
     if spec in _model_types():
@@ -121,14 +121,20 @@ def model_class(config):
     """The transformers class a config spec is built as, chosen so that its site names (module
     FQNs) are those of the model a policy is written for: the config's own
     ``architectures[0]`` where it names one (a checkpoint's ``config.json``: the class it was
-    saved from); else, for a model type, its causal-LM class where it is a decoder-only
-    language model (as the zoo builds them), and ``AutoModel`` (the bare model) otherwise:
-    encoders, encoder-decoders, vision models."""
+    saved from) where that is a PyTorch model of this config, bare or causal LM; else its
+    model type's causal-LM class where that is a decoder-only language model (as the zoo
+    builds them), and ``AutoModel`` (the bare model) otherwise: encoders, encoder-decoders,
+    vision models. Other heads (sequence classification, ...) are not built: random
+    inputs do not fit them all (a pad token, multiple choices), and their site names differ
+    from the bare model's by a prefix at most."""
     import transformers
     from transformers.models.auto import modeling_auto
 
     for name in getattr(config, "architectures", None) or ():
-        if (cls := getattr(transformers, name, None)) is not None:
+        cls = getattr(transformers, name, None)
+        if (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+                and isinstance(config, cls.config_class)
+                and name in _causal_lm_classes() | _base_classes()):
             return cls
     model_type = config.model_type
     if (model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -141,8 +147,10 @@ def model_class(config):
 def bundle_from_config(name: str, config) -> ModelBundle:
     """A random-weight model of ``config`` (class: :func:`model_class`; SDPA attention where
     it has it) and random inputs; a causal LM's logits are what the commands compare."""
+    from transformers import PreTrainedModel
+
     cls = model_class(config)
-    build = cls.from_config if cls.__name__.startswith("AutoModel") else cls._from_config
+    build = cls._from_config if issubclass(cls, PreTrainedModel) else cls.from_config  # Auto*
     torch.manual_seed(0)
     try:
         model = build(config, attn_implementation="sdpa")
@@ -153,13 +161,24 @@ def bundle_from_config(name: str, config) -> ModelBundle:
     return ModelBundle(name, model, kwargs=random_inputs(model, config), kind=kind)
 
 
+def _class_names(mapping: dict) -> set[str]:
+    """The class names of a transformers ``MODEL_*_MAPPING_NAMES`` (a value may be a tuple)."""
+    names = set()
+    for value in mapping.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
 def _causal_lm_classes() -> set[str]:
     from transformers.models.auto import modeling_auto
 
-    names = set()
-    for value in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update([value] if isinstance(value, str) else value)
-    return names
+    return _class_names(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _base_classes() -> set[str]:
+    from transformers.models.auto import modeling_auto
+
+    return _class_names(modeling_auto.MODEL_MAPPING_NAMES)
 
 
 def random_inputs(model: torch.nn.Module, config) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..blocks import fp8_group_sizes, group_sizes, int_flash_group_sizes, int_flash_v_group
-from ..presets import Fp8Options, IntFlashOptions, Sage2Options
+from ..presets import resolve_options
 from ..report import REWRITTEN, SiteReport, format_grid
 
 COLUMNS = ("site (module FQN)", "class", "pattern", "shapes q / k / v", "mask", "GQA", "rule", "preset",
@@ -19,53 +19,44 @@ def _per(granularity: str, tokens: int) -> str:
     return "token" if tokens == 1 else f"{tokens}tok"
 
 
-def _qk_formats(fmt: str, granularity: str, groups: tuple[int, int]) -> str:
-    """Q's and K's number format and scale groups (``groups``: tokens per scale for Q, K),
-    e.g. ``qk=int8/token`` or ``q=int8/token k=int8/128tok``."""
+def _q_k_formats(fmt: str, granularity: str, groups: tuple[int, int], k_name: str = "k") -> str:
+    """Q's and K's (``k_name``: K's and V's) number format and scale groups (``groups``:
+    tokens per scale for Q, K), e.g. ``qk=int8/token`` or ``q=int8/token k=int8/128tok``."""
     q, k = (_per(granularity, tokens) for tokens in groups)
-    return f"qk={fmt}/{q}" if q == k else f"q={fmt}/{q} k={fmt}/{k}"
-
-
-def _option(options: dict, model, name: str):
-    """``options[name]``, or the field's default in the preset's options ``model``."""
-    return options.get(name, model.model_fields[name].default)
+    return f"q{k_name}={fmt}/{q}" if q == k else f"q={fmt}/{q} {k_name}={fmt}/{k}"
 
 
 def _sage_formats(options: dict, bits: str) -> str:
-    smooth = ",".join(t for t in ("q", "k", "v") if options.get(f"smooth_{t}")) or "off"
-    pv = "p=fp8 v=fp8/channel" if options.get("pv", "fp8") == "fp8" else "p=fp16 v=fp16"
-    granularity = _option(options, Sage2Options, "qk_granularity")
-    qk = _qk_formats(bits, granularity, group_sizes(granularity, 1, 1))
+    smooth = ",".join(t for t in ("q", "k", "v") if options[f"smooth_{t}"]) or "off"
+    pv = "p=fp8 v=fp8/channel" if options["pv"] == "fp8" else "p=fp16 v=fp16"
+    granularity = options["qk_granularity"]
+    qk = _q_k_formats(bits, granularity, group_sizes(granularity, 1, 1))
     return f"{qk} {pv} smooth={smooth}"
 
 
 def _int_flash_formats(options: dict) -> str:
-    k_group = _option(options, IntFlashOptions, "k_granularity")
-    v_group = _option(options, IntFlashOptions, "v_granularity")
-    qk = _qk_formats("int8", k_group, int_flash_group_sizes(k_group, 1, 1))
+    k_group, v_group = options["k_granularity"], options["v_granularity"]
+    qk = _q_k_formats("int8", k_group, int_flash_group_sizes(k_group, 1, 1))
     v = _per(v_group, int_flash_v_group(v_group, 1))
-    smooth = "k" if options.get("smooth_k") else "off"
-    return f"{qk} p=int8/{options.get('p_scale')} v=int8/{v} smooth={smooth}"
+    smooth = "k" if options["smooth_k"] else "off"
+    return f"{qk} p=int8/{options['p_scale']} v=int8/{v} smooth={smooth}"
 
 
 def _fmha_formats(options: dict) -> str:
-    out = " o=int8" if options.get("quantize_output") else ""
-    return f"qkv=int8/tensor ({options.get('scales')}) p=uint8/{options.get('p_scale')}{out}"
+    out = " o=int8" if options["quantize_output"] else ""
+    return f"qkv=int8/tensor ({options['scales']}) p=uint8/{options['p_scale']}{out}"
 
 
 def _turbo_formats(options: dict) -> str:
-    exp = options.get("exp")
-    threshold = f" (threshold {options.get('sas_threshold')})" if exp == "sas" else ""
-    q, k = group_sizes("block", 1, 1)
-    return (f"q=int8/{_per('block', q)} kv=int8/{_per('block', k)}"
-            f" p=int8/{options.get('p_scale')} exp={exp}{threshold}")
+    exp = options["exp"]
+    threshold = f" (threshold {options['sas_threshold']})" if exp == "sas" else ""
+    qkv = _q_k_formats("int8", "block", group_sizes("block", 1, 1), k_name="kv")
+    return f"{qkv} p=int8/{options['p_scale']} exp={exp}{threshold}"
 
 
 def _fp8_formats(options: dict) -> str:
-    granularity = _option(options, Fp8Options, "granularity")
-    q, k = (_per(granularity, tokens) for tokens in fp8_group_sizes(granularity, 1, 1))
-    qkv = f"qkv=fp8/{q}" if q == k else f"q=fp8/{q} kv=fp8/{k}"
-    return f"{qkv} p=fp8"
+    granularity = options["granularity"]
+    return f"{_q_k_formats('fp8', granularity, fp8_group_sizes(granularity, 1, 1), k_name='kv')} p=fp8"
 
 
 QUANT_FORMATS = {
@@ -92,7 +83,8 @@ def kernel_variant(report: SiteReport) -> str:
     if report.status != REWRITTEN:
         return "-"
     where = EXECUTION_LABELS.get(report.execution, report.execution or "?")
-    formats = QUANT_FORMATS.get(report.preset, lambda o: "")(report.options)
+    options = {**resolve_options(report.preset).model_dump(), **report.options}  # defaults filled
+    formats = QUANT_FORMATS.get(report.preset, lambda o: "")(options)
     tiles = " tiles=autotuned" if report.options.get("autotune") and report.execution == "triton" else ""
     return f"{where} {report.preset} {formats}{tiles}".rstrip()
 

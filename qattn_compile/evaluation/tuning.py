@@ -88,11 +88,14 @@ def load_ranking(path: str | Path) -> tuple[list[str], str]:
         data = data["ranking"]
     elif isinstance(data, dict):
         found = data.get("times_ms", data)
-        times = {k: v for k, v in found.items() if k in PRESET_NAMES} if isinstance(found, dict) else {}
+        if not isinstance(found, dict):
+            raise QattnError(f"ranking file {path}: `times_ms` must map presets to ms, got a "
+                             f"{type(found).__name__}")
+        times = {k: v for k, v in found.items() if k in PRESET_NAMES}
         if not times:
-            keys = ", ".join(map(str, found)) if isinstance(found, dict) else type(found).__name__
-            raise QattnError(f"ranking file {path}: no preset among its keys ({keys}); expected a "
-                             "list of presets or preset -> ms")
+            keys = f"its keys are {', '.join(map(str, found))}" if found else "it is empty"
+            raise QattnError(f"ranking file {path}: no preset times ({keys}); expected a list of "
+                             "presets or preset -> ms")
         if bad := {k: v for k, v in times.items() if not isinstance(v, (int, float))}:
             raise QattnError(f"ranking file {path}: times must be numbers (ms), got {bad}")
         data = sorted(times, key=times.get)

@@ -184,7 +184,8 @@ def grad_refusal(output: fx.Node, inputs: dict[str, Any]) -> str | None:
     if not requires_grad(output):
         return None
     names = [name for name, node in inputs.items() if requires_grad(node)] or ["an input"]
-    return (f"{', '.join(names)} requires grad with grad mode on (training through qattn is "
+    verb = "requires" if len(names) == 1 else "require"
+    return (f"{', '.join(names)} {verb} grad with grad mode on (training through qattn is "
             "not served; run inference under torch.no_grad() or torch.inference_mode())")
 
 
