@@ -119,14 +119,17 @@ def _tiny_overrides(config) -> dict:
 
 def model_class(config):
     """The transformers class a config spec is built as, chosen so that its site names (module
-    FQNs) are those of the model a policy is written for: the config's own
-    ``architectures[0]`` where it names one (a checkpoint's ``config.json``: the class it was
-    saved from) where that is a PyTorch model of this config, bare or causal LM; else its
-    model type's causal-LM class where that is a decoder-only language model (as the zoo
-    builds them), and ``AutoModel`` (the bare model) otherwise: encoders, encoder-decoders,
-    vision models. Other heads (sequence classification, ...) are not built: random
-    inputs do not fit them all (a pad token, multiple choices), and their site names differ
-    from the bare model's by a prefix at most."""
+    FQNs) are those of the model a policy is written for:
+
+    1. the first class in the config's ``architectures`` (a checkpoint's ``config.json``: the
+       class it was saved from) that is a PyTorch bare or causal-LM model of this config;
+    2. else the model type's causal LM, for a decoder-only language model (as the zoo builds
+       them);
+    3. else ``AutoModel``, the bare model: encoders, encoder-decoders, vision models.
+
+    Other heads (sequence classification, ...) are not built: random inputs do not fit them
+    all (a pad token, multiple choices), and their site names differ from the bare model's
+    by a prefix at most."""
     import transformers
     from transformers.models.auto import modeling_auto
 
