@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import json  # noqa: E402
 import logging  # noqa: E402
 from dataclasses import replace  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -223,6 +224,68 @@ def test_unwritable_cache_dir_is_reported_and_the_result_still_used(tmp_path, mo
         assert _tune(lambda cfg, inputs: float(cfg.block_m)) == AttentionConfig(32, 32, 4, 1)
     assert "cannot write" in caplog.text and autotune.CACHE_DIR_ENV in caplog.text
     assert _tune(lambda cfg, inputs: pytest.fail("re-tuned")) == AttentionConfig(32, 32, 4, 1)
+
+
+def test_a_cache_the_os_does_not_let_us_read_is_left_as_it_is(monkeypatch, caplog):
+    """A read the OS refuses (another user's file, an I/O error) must not make the write
+    replace every entry with this one: the file stays, the result still serves."""
+    assert _tune(lambda cfg, inputs: float(cfg.block_m)) == AttentionConfig(32, 32, 4, 1)
+    path = autotune.cache_path()
+    before = path.read_text()
+    autotune.clear_memory()
+    read_text = Path.read_text
+
+    def refuse(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.kernels.autotune"):
+        tuned = autotune.tuned_config(_key(lq=4000), CPU, [AttentionConfig(32, 32, 4, 1)],
+                                      lambda: None, lambda cfg, inputs: 1.0)
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert tuned == AttentionConfig(32, 32, 4, 1) and autotune.stats["tuned"] == 2
+    assert path.read_text() == before and "cannot write" in caplog.text
+
+
+def test_the_cache_file_takes_the_umask_and_a_failed_write_leaves_no_temp_file(monkeypatch):
+    old = os.umask(0o002)
+    try:
+        _tune(lambda cfg, inputs: float(cfg.block_m))
+    finally:
+        os.umask(old)
+    path = autotune.cache_path()
+    assert path.stat().st_mode & 0o777 == 0o664  # shared with the group (mkstemp makes 0600)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(autotune.json, "dump", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        autotune._write(path, "another", {"config": {}})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["autotune.json", "autotune.json.lock"]
+
+
+def test_out_of_gpu_memory_while_timing_gives_the_table_tile_uncached(caplog):
+    def no_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    candidates = [AttentionConfig(32, 32, 4, 1), AttentionConfig(64, 32, 4, 1)]
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.kernels.autotune"):
+        got = autotune.tuned_config(_key(), CPU, candidates, no_memory, lambda cfg, inputs: 1.0)
+    assert got == candidates[0] and "out of GPU memory" in caplog.text
+    assert not autotune.cache_path().exists() and autotune.stats["tuned"] == 0
+
+
+def test_a_hand_edited_cached_tile_equal_to_a_candidate_is_launched_with_its_types():
+    name = _key().text(CPU)
+    path = autotune.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stored = {"block_m": 64.0, "block_n": 32, "num_warps": 4, "num_stages": 1, "tma": 0}
+    path.write_text(json.dumps({"version": autotune.CACHE_VERSION, "entries": {name: {"config": stored}}}))
+    got = _tune(lambda cfg, inputs: pytest.fail("re-tuned"))
+    assert got == AttentionConfig(64, 32, 4, 1) and type(got.block_m) is int and got.tma is False
 
 
 @pytest.mark.parametrize("entries", [[], None, "x"])

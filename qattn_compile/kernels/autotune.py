@@ -187,14 +187,21 @@ def cache_path() -> Path:
     return home / ".cache" / "qattn" / CACHE_FILE
 
 
-def _read(path: Path) -> dict[str, dict]:
-    """The entries of the cache file (empty when missing; a file that cannot be read is
-    reported and then replaced on the next write)."""
+def _read(path: Path, for_write: bool = False) -> dict[str, dict]:
+    """The entries of the cache file: empty when it is missing; a file that is not a cache of
+    this version is reported (and replaced on the next write). A file the OS does not let
+    this process read (permissions, I/O) is reported too; ``for_write`` raises the
+    ``OSError`` instead, so that a write never replaces entries it could not read."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        if for_write:
+            raise
+        logger.warning("qattn autotune: ignoring unreadable cache %s (%s)", path, exc)
+        return {}
+    except ValueError as exc:
         logger.warning("qattn autotune: ignoring unreadable cache %s (%s)", path, exc)
         return {}
     if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
@@ -215,12 +222,25 @@ def _write(path: Path, name: str, entry: dict) -> None:
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
-        entries = _read(path)
+        entries = _read(path, for_write=True)
         entries[name] = entry
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1,
+                          sort_keys=True)
+            os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0600
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _umask() -> int:
+    """The process's file-mode creation mask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _cached(name: str, path: Path) -> AttentionConfig | None:
@@ -294,26 +314,33 @@ def tuned_config(
 
     On a miss: ``inputs = make_inputs()`` then ``measure(cfg, inputs)`` (milliseconds) per
     candidate, all outside tracing; the winner is stored in memory and on disk (a cache file
-    that cannot be written is reported, and the result still serves this process). Raises
-    ``RuntimeError`` when no candidate fits the GPU.
+    that cannot be written, or read before the write, is reported and left as it is, and the
+    result still serves this process). Running out of GPU memory while timing gives the
+    table's tile (``candidates[0]``), not cached. Raises ``RuntimeError`` when no candidate
+    fits the GPU.
     """
     name, path = key.text(device), cache_path()
     cfg = _cached(name, path)
     if cfg is not None and cfg in candidates:
         stats["hits"] += 1
-        return cfg
+        return candidates[candidates.index(cfg)]  # a hand-edited 64.0 equals 64: launch an int
     if cfg is not None:  # e.g. a hand-edited file, or tile constraints that changed
         logger.warning("qattn autotune: cached tile %s is not a candidate for %s; tuning again",
                        cfg, key)
     timings: dict[AttentionConfig, float] = {}
-    with _compat.outside_tracing():
-        inputs = make_inputs()
-        for candidate in candidates:
-            try:
-                timings[candidate] = measure(candidate, inputs)
-            except OutOfResources as exc:
-                logger.info("qattn autotune: %s skipped: %s", candidate, exc)
-        del inputs
+    try:
+        with _compat.outside_tracing():
+            inputs = make_inputs()
+            for candidate in candidates:
+                try:
+                    timings[candidate] = measure(candidate, inputs)
+                except OutOfResources as exc:
+                    logger.info("qattn autotune: %s skipped: %s", candidate, exc)
+            del inputs
+    except torch.OutOfMemoryError as exc:  # the timed inputs next to the model's own tensors
+        logger.warning("qattn autotune: out of GPU memory while timing tiles for %s (%s); "
+                       "using the table's tile %s (not cached)", key, exc, candidates[0])
+        return candidates[0]
     if not timings:
         raise RuntimeError(f"qattn autotune: no candidate tile fits this GPU for {key}")
     best = min(timings, key=timings.get)
