@@ -196,12 +196,9 @@ def _read(path: Path, for_write: bool = False) -> dict[str, dict]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except OSError as exc:
-        if for_write:
+    except (OSError, ValueError) as exc:
+        if for_write and isinstance(exc, OSError):
             raise
-        logger.warning("qattn autotune: ignoring unreadable cache %s (%s)", path, exc)
-        return {}
-    except ValueError as exc:
         logger.warning("qattn autotune: ignoring unreadable cache %s (%s)", path, exc)
         return {}
     if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
