@@ -133,11 +133,11 @@ def model_class(config):
     import transformers
     from transformers.models.auto import modeling_auto
 
+    buildable = _causal_lm_classes() | _base_classes()
     for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, name, None)
+        cls = getattr(transformers, name, None) if name in buildable else None
         if (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
-                and isinstance(config, cls.config_class)
-                and name in _causal_lm_classes() | _base_classes()):
+                and isinstance(config, cls.config_class)):
             return cls
     model_type = config.model_type
     if (model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
