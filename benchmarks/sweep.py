@@ -48,6 +48,9 @@ CANDIDATES = {
     "tma 64x128 w4 s2 r168": (64, 128, 4, 2, True, 168),
     "tma 64x128 w4 s3 r168": (64, 128, 4, 3, True, 168),
     "tma 64x128 w4 s3 r128": (64, 128, 4, 3, True, 128),
+    "tma 64x256 w4 s1": (64, 256, 4, 1, True),
+    "tma 64x256 w4 s2": (64, 256, 4, 2, True),
+    "tma 128x256 w8 s2": (128, 256, 8, 2, True),
 }
 """name -> (block_m, block_n, num_warps, num_stages, tma[, maxnreg]); ``rN``: at most N registers."""
 
