@@ -41,6 +41,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Collection, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +75,9 @@ TEXT_SOURCE = "<policy text>"
 """``Policy.source`` of a policy parsed from YAML text."""
 DICT_SOURCE = "<policy dict>"
 """``Policy.source`` of a policy built from a dict."""
+_SOURCE_BEING_BUILT: ContextVar[str] = ContextVar("qattn_policy_source", default=DICT_SOURCE)
+"""What :meth:`Policy.__init__`'s error messages call the policy: :meth:`Policy.from_dict`'s
+``source`` while it builds one."""
 DEFAULT_POLICY_PATH = Path(__file__).parent / "data" / "policies" / "default.yaml"
 """The shipped default policy: ``sage2_8b`` on every attention site."""
 REGEX_PREFIX = "re:"
@@ -355,7 +359,7 @@ def _kv_cache_problems(exc: ValidationError, data: Mapping[str, Any]) -> str:
 
 class Policy(BaseModel):
     """A validated policy. Build it with :func:`load_policy`, :meth:`from_dict`,
-    :meth:`from_yaml` or :meth:`from_file`; ask it with :meth:`decide`."""
+    :meth:`from_yaml`, :meth:`from_file` or its fields as keywords; ask it with :meth:`decide`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -373,6 +377,14 @@ class Policy(BaseModel):
     kv_cache: KVCachePolicy | None = Field(None, description="FlashQ KV cache per layer (optional).")
 
     _source: str = PrivateAttr(DICT_SOURCE)
+
+    def __init__(self, **data: Any) -> None:
+        """``Policy(qattn=1, rules=[...])``: the fields as keywords, checked as
+        :meth:`from_dict` checks them (a bad one raises :class:`PolicyError`)."""
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise PolicyError(_explain(exc, data, _SOURCE_BEING_BUILT.get())) from None
 
     @field_validator("qattn", mode="before")
     @classmethod
@@ -426,10 +438,15 @@ class Policy(BaseModel):
                 f"policy {source}: the top level must be a mapping (`qattn: 1`, `rules: [...]`, "
                 f"...), got {describe_value(data)}"
             )
+        stray = next((key for key in data if not isinstance(key, str)), None)
+        if stray is not None:
+            raise PolicyError(f"policy {source}: key {stray!r} is not a string; allowed keys: "
+                              f"{', '.join(cls.model_fields)}")
+        token = _SOURCE_BEING_BUILT.set(source)
         try:
-            policy = cls.model_validate(dict(data))
-        except ValidationError as exc:
-            raise PolicyError(_explain(exc, data, source)) from None
+            policy = cls(**data)
+        finally:
+            _SOURCE_BEING_BUILT.reset(token)
         policy._source = source
         return policy
 

@@ -486,6 +486,21 @@ def test_from_dict_names_its_source():
     assert str(info.value).startswith("policy cfg.py: rules[0] (match 'a'): field `preset`")
 
 
+def test_constructor_checks_as_from_dict_does():
+    with pytest.raises(PolicyError) as info:
+        Policy(qattn=1, rules=[{"match": "a", "preset": "x"}])
+    assert str(info.value).startswith("policy <policy dict>: rules[0] (match 'a'): field `preset`")
+    with pytest.raises(PolicyError, match="unsupported schema version 2"):
+        Policy(qattn=2)
+    assert Policy(qattn=1, default="int_flash").decide("layers.0.attn").preset == "int_flash"
+
+
+def test_from_dict_names_a_key_that_is_not_a_string():
+    with pytest.raises(PolicyError) as info:
+        Policy.from_dict({"qattn": 1, 1: "x"}, source="cfg.yaml")
+    assert str(info.value).startswith("policy cfg.yaml: key 1 is not a string; allowed keys: qattn,")
+
+
 # ----------------------------------------------------------------------------- strictness
 
 
