@@ -15,7 +15,7 @@ consumers arrive on), with register reallocation between the partitions. Per con
 tile: ``S = Q·Kᵀ`` (FP8 wgmma), the online softmax in base 2, ``P = fp8(448·exp2(S − m))``,
 a fresh ``P·V`` product (FP8 wgmma) added to the float32 accumulator, as in qattn's kernel.
 
-Variants (each timed, then checked against float32 attention on the same FP8 values):
+Variants (each timed, then checked against float32 attention on the same 8-bit values):
 
 - ``p_operand``: P reaches the P·V MMA through shared memory (a store and a fence per tile) or
   as its register operand (a layout conversion);
@@ -191,8 +191,8 @@ def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, N, qk_scale, log2_pmax,
                       QK_INT8: gl.constexpr, PV_INT8: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Rows ``[pid_m·2·BLOCK_M, …)`` of head ``pid_bh``: q, k ``[B·H·N, D]``, the transposed
-    vt ``[B·H·D, N]`` (K-major for the P·V MMA), FP8 e4m3, through TMA descriptors; o
-    float32 ``[B·H·N, D]``. ``qk_scale`` = softmax scale · log2 e."""
+    vt ``[B·H·D, N]`` (K-major for the P·V MMA), FP8 e4m3 or int8 (``QK_INT8``, ``PV_INT8``),
+    through TMA descriptors; o float32 ``[B·H·N, D]``. ``qk_scale`` = softmax scale · log2 e."""
     gl.static_assert(not OVERLAP or STAGES >= 3, "overlap releases stages a tile late")
     gl.static_assert(not (OVERLAP and (QK_INT8 or PV_INT8)), "the overlap variant is FP8 only")
     pid_m = gl.program_id(0)
