@@ -378,7 +378,7 @@ class Policy(BaseModel):
 
     _source: str = PrivateAttr(DICT_SOURCE)
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, /, **data: Any) -> None:
         """``Policy(qattn=1, rules=[...])``: the fields as keywords, checked as
         :meth:`from_dict` checks them (a bad one raises :class:`PolicyError`)."""
         try:

@@ -501,6 +501,11 @@ def test_from_dict_names_a_key_that_is_not_a_string():
     assert str(info.value).startswith("policy cfg.yaml: key 1 is not a string; allowed keys: qattn,")
 
 
+def test_from_dict_names_an_unknown_key_called_self():
+    with pytest.raises(PolicyError, match="policy cfg.yaml: unknown key `self`; allowed keys"):
+        Policy.from_dict({"qattn": 1, "self": 2}, source="cfg.yaml")
+
+
 # ----------------------------------------------------------------------------- strictness
 
 
