@@ -143,22 +143,38 @@ def graph_ops() -> tuple:
     return tuple(found)
 
 
-def graph_op(device: torch.device | str):
-    """The op overload the rewrite inserts for a site on ``device``.
+def graph_op(execution: str):
+    """The op overload the rewrite inserts for a site served by ``execution``
+    (:func:`execution_path`).
 
-    Every CUDA site (any mask: none, bool, additive; ``is_causal`` or not) gets the
-    inlinable ``attention_triton``: its body (quantizers, mask planner, kernels) is torch ops
-    that Inductor lowers plus Triton launches that it inlines. Other devices get the custom
-    op, which runs the reference implementation.
+    ``"triton"`` (tier 1 on CUDA; any mask: none, bool, additive; ``is_causal`` or not):
+    the inlinable ``attention_triton``, whose body (quantizers, mask planner, kernels) is
+    torch ops that Inductor lowers plus Triton launches that it inlines. ``"gluon"`` (tier 2)
+    and ``"reference"`` (other devices): the opaque custom op, which runs the Gluon kernel
+    or the reference implementation.
     """
-    if execution_path(device) == "triton":
+    if execution == "triton":
         return torch.ops.qattn.attention_triton.default
     return torch.ops.qattn.attention.default
 
 
-def execution_path(device: torch.device | str) -> str:
-    """Which implementation ``torch.ops.qattn.attention`` uses on ``device``."""
-    return "triton" if torch.device(device).type == "cuda" else "reference"
+def execution_path(device: torch.device | str, site: dict | None = None) -> tuple[str, str | None]:
+    """Which implementation serves a site on ``device``, and why not tier 2 (a sentence, or
+    None): ``("reference", None)`` off CUDA; on CUDA ``("gluon", None)`` when
+    :func:`qattn_compile.kernels.tiers.tier2_refusal` finds nothing against ``site`` (a dict
+    of its keyword arguments: preset, granularity, shapes, dtype, masked, scale, causal), else
+    ``("triton", reason)`` (the reason only for presets that have a tier-2 kernel)."""
+    if torch.device(device).type != "cuda":
+        return "reference", None
+    from .kernels.tiers import PRESETS, tier2_refusal
+
+    if site is None or site["preset"] not in PRESETS:
+        return "triton", None
+
+    reason = tier2_refusal(site["preset"], site["granularity"], *site["shapes"], site["dtype"],
+                           torch.device(device), masked=site["masked"], scale=site["scale"],
+                           causal=site["causal"])
+    return ("gluon", None) if reason is None else ("triton", reason)
 
 
 def unsupported_reason(
@@ -176,7 +192,7 @@ def unsupported_reason(
                 "dims or k/v in heads or length (broadcast batches are not served)")
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return f"dtype {dtype} (supported: float16, bfloat16, float32; float64 off CUDA)"
-    if execution_path(device) == "triton":
+    if execution_path(device)[0] != "reference":
         from .kernels import supports
 
         return supports(q_shape, k_shape, v_shape, dtype, torch.device(device), preset, options)

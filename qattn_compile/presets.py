@@ -71,8 +71,8 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     are below the running row max + threshold.
 ``fp8``
     FlashAttention-3-style FP8: Q, K, V FP8 e4m3 (scale amax/448) per ``granularity``:
-    ``block`` (default; Q per token, K and V per :data:`~qattn_compile.blocks.FP8_BLOCK` =
-    128 tokens: one quantizer pass per operand, Q's fused with its RoPE in a compiled model,
+    ``block`` (default; Q per token, K and V per :data:`~qattn_compile.blocks.FP8_KV_BLOCK` =
+    256 tokens: one quantizer pass per operand, Q's fused with its RoPE in a compiled model,
     and a token outlier coarsens only its own block), ``tensor`` (one scale per (batch,
     head), FlashAttention-3's; a statistics pass per operand first), or ``q_token`` (as
     ``block`` with K and V per 64 tokens; ~1 % faster for short prefills in a compiled model,

@@ -31,7 +31,8 @@ class SiteReport:
     rule_index: int | None
     status: str
     reason: str
-    execution: str | None = None  # "triton" or "reference" for rewritten sites
+    execution: str | None = None  # "gluon", "triton" or "reference" for rewritten sites
+    execution_reason: str | None = None  # why a CUDA site is not on tier 2 ("gluon")
     graph_index: int = 0
     causal_fast_path: bool = False  # the mask provably hides every key after its query
     gqa_source: str | None = None  # how K/V head sharing was found: repeat_kv, enable_gqa, ...

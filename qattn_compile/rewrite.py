@@ -30,7 +30,7 @@ import re
 import torch
 from torch import fx
 
-from . import ops
+from . import _compat, ops
 from .errors import UnsupportedSiteError
 from .evaluation.calibrate import options_for_site, site_keys
 from .patterns import AttentionSite, find_attention_sites
@@ -63,6 +63,18 @@ def _unsupported(site: AttentionSite, preset: str, options) -> str | None:
         return site.refusal
     dtype, device = _site_dtype_device(site)
     return ops.unsupported_reason(*_op_shapes(site), dtype, device, preset, options)
+
+
+def _tier_inputs(site: AttentionSite, decision: Decision) -> dict:
+    """What :func:`qattn_compile.ops.execution_path` weighs for a site: its preset and fp8
+    granularity, the op's shapes (size hints of symbolic sizes), dtype, whether a tensor
+    mask remains once causality is taken out, the softmax scale and causality."""
+    spec, causal_from_mask = split_causal(site.mask)
+    dtype, _ = _site_dtype_device(site)
+    shapes = [tuple(_compat.size_hint(d) or 0 for d in shape) for shape in _op_shapes(site)]
+    return {"preset": decision.preset, "granularity": getattr(decision.options, "granularity", None),
+            "shapes": shapes, "dtype": dtype, "masked": bool(spec.keep or spec.additive),
+            "scale": site.scale, "causal": bool(site.is_causal or causal_from_mask)}
 
 
 class _Emitter:
@@ -187,7 +199,8 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
         q, k, v = (emit("unsqueeze", t, 0, method=True) for t in (q, k, v))
     _, device = _site_dtype_device(site)
     is_causal = site.is_causal or causal_from_mask
-    out = emit(ops.graph_op(device), q, k, v, mask, is_causal, site.scale, preset, decision.options.to_json())
+    out = emit(ops.graph_op(report.execution), q, k, v, mask, is_causal, site.scale, preset,
+               decision.options.to_json())
     report.causal_from_mask = causal_from_mask
     out.meta["qattn"] = {
         "fqn": site.fqn,
@@ -284,7 +297,7 @@ def _decide(site: AttentionSite, decision: Decision, policy: Policy, graph_index
         log.warning("qattn: %s falls back to the original attention: %s", site.fqn, why_not)
         return report
     report.status = REWRITTEN
-    report.execution = ops.execution_path(device)
+    report.execution, report.execution_reason = ops.execution_path(device, _tier_inputs(site, decision))
     log.info("qattn: %s -> %s (%s)", site.fqn, decision.preset, decision.rule_text)
     if report.execution != "triton" and getattr(decision.options, "autotune", False):
         log.info("qattn: %s: autotune has no effect here (the %s path runs; tiles are timed "

@@ -554,8 +554,9 @@ def test_tile_overrides_that_break_a_launch_contract_are_refused():
     q, k, v = (torch.randn(1, 2, 130, 64, dtype=torch.float16) for _ in range(3))  # 3 V blocks
     with pytest.raises(ValueError, match=r"block_n=128 must divide V's 64 tokens per scale"):
         prepare_attention(q, k, v, preset="turbo", config=AttentionConfig(32, 128, 4, 1))
-    fp8_block = {"granularity": "block"}  # V per FP8_BLOCK = 128 tokens: 128-key tiles fit
-    prepare_attention(q, k, v, preset="fp8", options=fp8_block, config=AttentionConfig(32, 128, 4, 1))
-    with pytest.raises(ValueError, match=r"block_n=256 must divide V's 128 tokens per scale"):
+    q, k, v = (torch.randn(1, 2, 300, 64, dtype=torch.float16) for _ in range(3))  # 2 V blocks
+    fp8_block = {"granularity": "block"}  # V per FP8_KV_BLOCK = 256 tokens: 256-key tiles fit
+    prepare_attention(q, k, v, preset="fp8", options=fp8_block, config=AttentionConfig(32, 256, 4, 1))
+    with pytest.raises(ValueError, match=r"block_n=512 must divide V's 256 tokens per scale"):
         prepare_attention(q, k, v, preset="fp8", options=fp8_block,
-                          config=AttentionConfig(32, 256, 4, 1))
+                          config=AttentionConfig(32, 512, 4, 1))

@@ -316,8 +316,8 @@ def test_graph_op_choice_on_cpu():
     ``test_lowering_gpu.py::test_cuda_sites_get_the_triton_op``."""
     from qattn_compile import ops
 
-    assert ops.graph_op("cpu") is torch.ops.qattn.attention.default
-    assert ops.execution_path("cpu") == "reference"
+    assert ops.graph_op("reference") is torch.ops.qattn.attention.default
+    assert ops.execution_path("cpu") == ("reference", None)
 
 
 @pytest.mark.parametrize("heads_inside", [False, True])

@@ -287,7 +287,7 @@ def test_kernel_variant():
     report.options = {**report.options, "pv": "fp16", "qk_granularity": "token"}
     assert kernel_variant(report) == "triton sage2_4b qk=int4/token p=fp16 v=fp16 smooth=k"
     report.preset, report.options = "fp8", {}  # the default `block`: Q per token, K/V per 128
-    assert kernel_variant(report) == "triton fp8 q=fp8/token kv=fp8/128tok p=fp8"
+    assert kernel_variant(report) == "triton fp8 q=fp8/token kv=fp8/256tok p=fp8"
     report.options = {"granularity": "tensor"}
     assert kernel_variant(report) == "triton fp8 qkv=fp8/tensor p=fp8"
     report.preset, report.options = "turbo", {}  # options a report leaves out are the defaults

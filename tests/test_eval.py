@@ -189,7 +189,7 @@ def test_static_sites_pass_the_kernels_support_check(bert_ev, bert_scales, monke
     """The kernels refuse ``scales: static`` without calibrated α; the rewrite fills each
     site's α in before that check (on CPU, pretend the Triton path serves)."""
     path, _ = bert_scales
-    monkeypatch.setattr(ops, "execution_path", lambda device: "triton")
+    monkeypatch.setattr(ops, "execution_path", lambda device, site=None: ("triton", None))
     monkeypatch.setattr(ops, "graph_op", lambda device: torch.ops.qattn.attention.default)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' check accepts CPU tensors then
     policy = {"qattn": 1, "default": "none",

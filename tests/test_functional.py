@@ -136,7 +136,7 @@ def test_leading_dims_pass_the_kernels_support_check(lead, monkeypatch):
     into B before asking them (on CPU: pretend the Triton path serves, as on CUDA)."""
     from qattn_compile import ops
 
-    monkeypatch.setattr(ops, "execution_path", lambda device: "triton")
+    monkeypatch.setattr(ops, "execution_path", lambda device, site=None: ("triton", None))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' check accepts CPU tensors then
     q, k, v = (t.reshape(*lead, *t.shape[1:]) if lead else t[0] for t in _qkv(b=6 if lead else 1))
     out = qattn_compile.attention(q, k, v, is_causal=True, enable_gqa=True, preset="int_flash")

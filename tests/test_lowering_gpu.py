@@ -33,8 +33,9 @@ def test_cuda_sites_get_the_triton_op():
     ``test_bool_mask_sites_are_inlined_by_inductor``); the CPU side is in test_backend.py."""
     from qattn_compile import ops
 
-    assert ops.graph_op("cuda") is torch.ops.qattn.attention_triton.default
-    assert ops.execution_path("cuda") == "triton"
+    assert ops.graph_op("triton") is torch.ops.qattn.attention_triton.default
+    assert ops.graph_op("gluon") is torch.ops.qattn.attention.default
+    assert ops.execution_path("cuda") == ("triton", None)
 
 
 @pytest.mark.parametrize("preset", ["int_flash", "sage2_8b"])

@@ -625,7 +625,7 @@ def test_sdpa_dropout_in_training_is_refused():
 
 def test_unsupported_head_dim_is_refused(monkeypatch):
     """The kernels' limits reach the report (on CPU, pretend the Triton path serves)."""
-    monkeypatch.setattr(ops, "execution_path", lambda device: "triton")
+    monkeypatch.setattr(ops, "execution_path", lambda device, site=None: ("triton", None))
     q = torch.randn(1, 2, 8, 512)
     _, _, rec = run_compiled(Sdpa("bool mask [L,L]"), q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool), None)
     assert rec.reports[0].status == FALLBACK and "head dim 512" in rec.reports[0].reason

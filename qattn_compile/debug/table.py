@@ -8,7 +8,7 @@ from ..report import REWRITTEN, SiteReport, format_grid
 
 COLUMNS = ("site (module FQN)", "class", "pattern", "shapes q / k / v", "mask", "GQA", "rule", "preset",
            "kernel variant / why left alone")
-EXECUTION_LABELS = {"triton": "triton", "reference": "reference (CPU)"}
+EXECUTION_LABELS = {"gluon": "gluon (tier 2)", "triton": "triton", "reference": "reference (CPU)"}
 """How the table names :func:`qattn_compile.ops.execution_path` values."""
 
 
@@ -86,7 +86,8 @@ def kernel_variant(report: SiteReport) -> str:
     options = {**resolve_options(report.preset).model_dump(), **report.options}  # defaults filled
     formats = QUANT_FORMATS.get(report.preset, lambda o: "")(options)
     tiles = " tiles=autotuned" if report.options.get("autotune") and report.execution == "triton" else ""
-    return f"{where} {report.preset} {formats}{tiles}".rstrip()
+    tier = f" (tier 1: {report.execution_reason})" if report.execution_reason else ""
+    return f"{where} {report.preset} {formats}{tiles}{tier}".rstrip()
 
 
 def format_shapes(shapes: dict) -> str:

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import _compat
 from ..blocks import (SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes, int_flash_group_sizes,
                       int_flash_v_group)
+from ..lowering.quantize import decomposed as lowered_decomposed
 from ..ops import heads_inside_tokens, output_buffer
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
@@ -39,6 +40,7 @@ from .heuristics import (
     qk_block_dim,
 )
 from .mask import MaskPlan, plan_mask
+from .tiers import Tier2Config, tier2_config, tier2_refusal
 from .primitives import (ensure_tma_allocator, interpreted, launch_takes_register_cap, launcher,
                          tma_compatible)
 from .quantize import (
@@ -436,20 +438,48 @@ class PreparedAttention:
     out_shape: tuple[int, int, int, int]  # (B, Hq, Lq, Dv)
     out_dtype: torch.dtype
     out_heads_inside_tokens: bool  # the output stored [B, Lq, Hq, Dv] (see output_buffer)
+    tier2: Tier2Config | None = None  # the Gluon kernel's tiles when tier 2 serves the call
 
     @property
     def loads_by_tma(self) -> bool:
         """Whether :meth:`run` reads K and V through TMA descriptors (:func:`loads_by_tma`)."""
         return loads_by_tma(self.ops, self.cfg)
 
-    def run(self) -> Tensor:
+    @property
+    def tier(self) -> str:
+        """``"gluon"`` (tier 2, :mod:`.hopper`) or ``"triton"`` (tier 1, :mod:`.attention`)."""
+        return "triton" if self.tier2 is None else "gluon"
+
+    def run(self, lse: Tensor | None = None) -> Tensor:
         """Launch the attention kernel; returns a fresh ``[B, Hq, Lq, Dv]`` in ``out_dtype``
-        (stored as :func:`output_buffer` says)."""
+        (stored as :func:`output_buffer` says). ``lse``: a float32 ``[B, Hq, Lq]`` contiguous
+        buffer that tier 2 fills with each row's natural-log log-sum-exp of the scaled
+        scores (``-inf`` for a row with no visible key)."""
         out = output_buffer(self.out_shape, self.out_dtype, self.ops.q.device,
                             self.out_heads_inside_tokens)
-        _launch(self.ops, out, self.shape, self.mask, self.is_causal, self.qk_scale, self.cfg,
-                self.dot_precision)
+        if self.tier2 is not None:
+            _launch_tier2(self.ops, out, self.is_causal, self.tier2, lse)
+        elif lse is not None:
+            raise ValueError("the log-sum-exp comes from tier 2 only; this call runs tier 1")
+        else:
+            _launch(self.ops, out, self.shape, self.mask, self.is_causal, self.qk_scale,
+                    self.cfg, self.dot_precision)
         return out
+
+
+def _launch_tier2(ops: Operands, out: Tensor, is_causal: bool, cfg: Tier2Config,
+                  lse: Tensor | None) -> None:
+    """Run :func:`.hopper.run_fp8` on fp8's prepared operands into ``out``."""
+    from . import hopper
+
+    device = out.device
+    qs, q_group, _ = _scale_args(ops.q_scale, ops.q_group, device)
+    ks, k_group, _ = _scale_args(ops.k_scale, ops.k_group, device)
+    vs, v_group, _ = _scale_args(ops.v_scale, ops.v_group, device)
+    hopper.run_fp8(ops.q.contiguous(), ops.k.contiguous(), ops.v.contiguous(), qs, q_group,
+                   ks, k_group, vs, v_group, out, is_causal, block_n=cfg.block_n,
+                   stages=cfg.stages, consumer_regs=cfg.consumer_regs,
+                   producer_regs=cfg.producer_regs, lse=lse)
 
 
 def _resolve(
@@ -502,18 +532,23 @@ def prepare_attention(
     static_scales: Mapping[str, float | Tensor] | None = None,
     config: AttentionConfig | None = None,
     output_like_q: bool = True,
+    tier: str | None = None,
 ) -> PreparedAttention:
     """Validate, smooth/quantize the operands of ``preset`` and plan the launch (tiles from
     ``config`` if given, else from :mod:`.autotune` when the options say ``autotune``, else
     from the table of :mod:`.heuristics`; mask summary from :mod:`.mask`).
-    Arguments as :func:`kernel_attention`; ``Lq`` and ``Lkv`` must be positive."""
+    Arguments as :func:`kernel_attention`; ``Lq`` and ``Lkv`` must be positive. ``tier``:
+    ``"triton"`` or ``"gluon"`` to force a kernel tier (``ValueError`` when tier 2 cannot
+    serve the call), None for :mod:`.tiers`'s choice."""
     opts, static = _resolve(preset, options, static_scales, q, k)
     _check_call(q, k, v, attn_mask, preset)
+    use_tier2 = _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier)
     bsz, hq, lq, dim = q.shape
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     tau = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     qk_mul = tau * LOG2E
     ops = _PREPARE[preset](q, k, v, opts, qk_mul, static, bool(is_causal))
+    tier2 = tier2_config(dim, bool(is_causal)) if use_tier2 else None
     per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
     v_block = ops.v_group if per_block_v else 0  # V's tokens per scale, for the tile constraint
     smooth_q = ops.delta_s is not None
@@ -533,12 +568,32 @@ def prepare_attention(
     quantize_out = preset == "fmha_int8" and opts.quantize_output
     logger.debug("qattn kernel %s on %s: cfg=%s", preset, arch_of(q.device), cfg)
     return PreparedAttention(
-        ops=ops, mask=mask, is_causal=bool(is_causal), qk_scale=qk_mul, cfg=cfg,
+        ops=ops, mask=mask, is_causal=bool(is_causal), qk_scale=qk_mul, cfg=cfg, tier2=tier2,
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         shape=(bsz, hq, hkv, lq, lkv, dim), out_shape=(bsz, hq, lq, dv),
         out_dtype=torch.float32 if quantize_out else q.dtype,
         out_heads_inside_tokens=output_like_q and heads_inside_tokens(q),
     )
+
+
+def _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier: str | None) -> bool:
+    """Whether tier 2 serves this call (:func:`.tiers.tier2_refusal`); ``tier`` forces a
+    tier. Never while torch traces (compiled graphs reach tier 2 through the opaque op,
+    :func:`qattn_compile.ops.graph_op`)."""
+    if tier not in (None, "triton", "gluon"):
+        raise ValueError(f"tier {tier!r}: expected 'triton', 'gluon' or None")
+    if tier == "triton":
+        return False
+    reason = ("traced by torch.compile (tier 1 is inlined)" if lowered_decomposed(q) else
+              tier2_refusal(preset, getattr(opts, "granularity", None), q.shape, k.shape,
+                            v.shape, q.dtype, q.device, masked=attn_mask is not None,
+                            scale=scale, causal=bool(is_causal), forced=tier == "gluon"))
+    if reason is None:
+        return True
+    if tier == "gluon":
+        raise ValueError(f"tier 2 cannot serve this {preset} call: {reason}")
+    logger.debug("qattn kernel %s: tier 1 (%s)", preset, reason)
+    return False
 
 
 def _autotuned(preset, opts, static_scales, q, k, v, attn_mask, is_causal, scale,

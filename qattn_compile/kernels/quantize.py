@@ -81,7 +81,7 @@ _OUT_INT = tl.constexpr(0)
 _OUT_INT4_PACKED = tl.constexpr(1)
 _OUT_FP8 = tl.constexpr(2)
 
-_MAX_TILE_GROUP = 128  # largest token group a quantizer tile reduces by itself
+_MAX_TILE_GROUP = 256  # largest token group a quantizer tile reduces by itself
 _STATS_CHUNKS = (1024, 512, 256)  # tokens per program of the statistics kernel, longest first
 _MIN_PROGRAMS = 512  # the statistics and ΔS kernels split their work finer below this many
 _STATS_TILE_ELEMENTS = 4096  # elements per loaded tile there (three running tiles of them)
