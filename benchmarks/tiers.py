@@ -6,7 +6,7 @@ importable; see benchmarks/README.md for carrying wheels)::
     PYTHONPATH=. python3 benchmarks/tiers.py --out $OUT/tiers.json
 
 Correctness: for each case (odd lengths, GQA, Lq ≠ Lkv, D = 64 / 128, causal or not) the
-fp8 preset's operands are prepared once and run by both tiers; printed: each tier's rel-L1
+preset's operands (``--preset``: fp8 or sage2_8b) are prepared once and run by both tiers; printed: each tier's rel-L1
 against float64 attention, the largest difference between the tiers, and tier 2's
 log-sum-exp against float64. Speed (B=4, H=32, bf16; TOPS = 4·B·H·N²·D / t, halved when
 causal; t = median of interleaved rounds of ``do_bench`` medians): the attention kernel
@@ -56,7 +56,7 @@ def rel_l1(out, ref):
     return ((out.double() - ref).abs().sum() / ref.abs().sum()).item()
 
 
-def check(cases) -> list[dict]:
+def check(cases, preset) -> list[dict]:
     rows = []
     for bsz, hq, hkv, lq, lkv, d, causal in cases:
         q = torch.randn(bsz, hq, lq, d, device="cuda", dtype=torch.bfloat16)
@@ -64,15 +64,15 @@ def check(cases) -> list[dict]:
         k[..., 3] += 8.0  # a K channel outlier
         v = torch.randn(bsz, hkv, lkv, d, device="cuda", dtype=torch.bfloat16)
         ref, ref_lse = exact(q, k, v, causal)
-        call1 = prepare_attention(q, k, v, None, causal, None, "fp8", None, tier="triton")
-        call2 = prepare_attention(q, k, v, None, causal, None, "fp8", None, tier="gluon")
+        call1 = prepare_attention(q, k, v, None, causal, None, preset, None, tier="triton")
+        call2 = prepare_attention(q, k, v, None, causal, None, preset, None, tier="gluon")
         out1 = call1.run()
-        lse = torch.empty(bsz, hq, lq, device="cuda", dtype=torch.float32)
+        lse = torch.empty(bsz, hq, lq, device="cuda", dtype=torch.float32) if preset == "fp8" else None
         out2 = call2.run(lse=lse)
         row = {"case": [bsz, hq, hkv, lq, lkv, d, causal], "tier1_rel_l1": rel_l1(out1, ref),
                "tier2_rel_l1": rel_l1(out2, ref),
                "max_tier_diff": (out1.float() - out2.float()).abs().max().item(),
-               "lse_max_err": (lse.double() - ref_lse).abs().max().item(),
+               "lse_max_err": None if lse is None else (lse.double() - ref_lse).abs().max().item(),
                "tier2_nan": bool(out2.isnan().any())}
         print(row, flush=True)
         rows.append(row)
@@ -88,18 +88,18 @@ def _fa3():
     return flash_attn_func
 
 
-def contenders(q, k, v, causal, tier2_configs, fa3, options) -> dict:
+def contenders(q, k, v, causal, tier2_configs, fa3, preset, options) -> dict:
     """name -> zero-argument callable, every input prepared outside it."""
     runs = {}
-    call1 = prepare_attention(q, k, v, None, causal, None, "fp8", options, tier="triton")
-    runs["tier1 fp8 kernel"] = call1.run
+    call1 = prepare_attention(q, k, v, None, causal, None, preset, options, tier="triton")
+    runs[f"tier1 {preset} kernel"] = call1.run
     for name, cfg in tier2_configs.items():
-        call2 = prepare_attention(q, k, v, None, causal, None, "fp8", options, tier="gluon")
+        call2 = prepare_attention(q, k, v, None, causal, None, preset, options, tier="gluon")
         if cfg is not None:
             call2.tier2 = cfg
-        runs[f"tier2 fp8 kernel {name}"] = call2.run
-    runs["qattn fp8 eager"] = lambda: qattn_compile.attention(q, k, v, is_causal=causal, preset="fp8",
-                                                              **options)
+        runs[f"tier2 {preset} kernel {name}"] = call2.run
+    runs[f"qattn {preset} eager"] = lambda: qattn_compile.attention(q, k, v, is_causal=causal,
+                                                                    preset=preset, **options)
     runs["qattn int_flash eager"] = lambda: qattn_compile.attention(q, k, v, is_causal=causal,
                                                                     preset="int_flash")
 
@@ -121,12 +121,12 @@ def contenders(q, k, v, causal, tier2_configs, fa3, options) -> dict:
     return runs
 
 
-def speed(shapes, rounds, tier2_configs, options) -> list[dict]:
+def speed(shapes, rounds, tier2_configs, preset, options) -> list[dict]:
     fa3 = _fa3()
     rows = []
     for (bsz, heads, n, d), causal in shapes:
         q, k, v = (torch.randn(bsz, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        runs = contenders(q, k, v, causal, tier2_configs, fa3, options)
+        runs = contenders(q, k, v, causal, tier2_configs, fa3, preset, options)
         times = {name: [] for name in runs}
         for _ in range(rounds):
             for name, fn in runs.items():
@@ -158,13 +158,14 @@ def main() -> None:
     parser.add_argument("--tier2-configs", nargs="*", default=[],
                         help="NAME=stages,consumer_regs[,block_n] tile variants of tier 2 "
                              "(none: its table's)")
-    parser.add_argument("--granularity", default="block", help="the fp8 preset's option")
+    parser.add_argument("--preset", default="fp8", choices=["fp8", "sage2_8b"])
+    parser.add_argument("--options", default="{}", help="the preset's options as JSON")
     parser.add_argument("--skip-check", action="store_true")
     args = parser.parse_args()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__}
     if not args.skip_check:
-        result["check"] = check(CASES)
+        result["check"] = check(CASES, args.preset)
     bsz, heads = args.batch_heads
     shapes = list(itertools.product([(bsz, heads, n, d) for n in args.seq for d in args.head_dims],
                                     [False, True]))
@@ -175,7 +176,7 @@ def main() -> None:
         configs[name] = Tier2Config(stages=stages, consumer_regs=regs, block_n=(block_n or [128])[0])
     if not configs:
         configs["table"] = None
-    result["speed"] = speed(shapes, args.rounds, configs, {"granularity": args.granularity})
+    result["speed"] = speed(shapes, args.rounds, configs, args.preset, json.loads(args.options))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

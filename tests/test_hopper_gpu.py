@@ -28,7 +28,7 @@ CASES = [  # (B, Hq, Hkv, Lq, Lkv, D, causal)
 def _tier2_ready():
     from qattn_compile.kernels.tiers import tier2_refusal
 
-    reason = tier2_refusal("fp8", "block", (1, 1, 4096, 128), (1, 1, 4096, 128),
+    reason = tier2_refusal("fp8", None, (1, 1, 4096, 128), (1, 1, 4096, 128),
                            (1, 1, 4096, 128), torch.bfloat16, torch.device("cuda"),
                            masked=False, scale=None, causal=False)
     if reason is not None:
@@ -47,24 +47,32 @@ def _rel_l1(out, ref):
     return ((out.double() - ref.double()).abs().sum() / ref.double().abs().sum()).item()
 
 
+PRESET_OPTIONS = [
+    ("fp8", {"granularity": "block"}),
+    ("fp8", {"granularity": "tensor"}),
+    ("sage2_8b", {}),
+    ("sage2_8b", {"smooth_v": True, "qk_granularity": "token"}),
+    ("sage2_8b", {"smooth_q": False, "smooth_k": False, "qk_granularity": "block"}),
+]
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("granularity", ["block", "tensor"])
-def test_tier2_matches_the_fp8_reference(case, granularity):
+@pytest.mark.parametrize("preset,opts", PRESET_OPTIONS, ids=lambda x: str(x))
+def test_tier2_matches_the_reference(case, preset, opts):
     _tier2_ready()
     from qattn_compile.kernels.launch import prepare_attention
 
     bsz, hq, hkv, lq, lkv, d, causal = case
     q, k, v = _inputs(bsz, hq, hkv, lq, lkv, d)
-    opts = {"granularity": granularity}
     exact = exact_attention(q.double(), k.double(), v.double(), is_causal=causal)
-    ref = reference_attention(q, k, v, is_causal=causal, preset="fp8", options=opts)
-    call2 = prepare_attention(q, k, v, None, causal, None, "fp8", opts, tier="gluon")
+    ref = reference_attention(q, k, v, is_causal=causal, preset=preset, options=opts)
+    call2 = prepare_attention(q, k, v, None, causal, None, preset, opts, tier="gluon")
     out2 = call2.run()
-    out1 = prepare_attention(q, k, v, None, causal, None, "fp8", opts, tier="triton").run()
+    out1 = prepare_attention(q, k, v, None, causal, None, preset, opts, tier="triton").run()
     assert call2.tier == "gluon" and out2.shape == (bsz, hq, lq, d) and out2.dtype == q.dtype
     assert not out2.isnan().any()
     err2, err_ref, err1 = _rel_l1(out2, exact), _rel_l1(ref, exact), _rel_l1(out1, exact)
-    print(f"{case} {granularity}: tier2 {err2:.4f} tier1 {err1:.4f} reference {err_ref:.4f}")
+    print(f"{case} {preset} {opts}: tier2 {err2:.4f} tier1 {err1:.4f} reference {err_ref:.4f}")
     assert 0 < err2 <= 1.05 * err_ref + 1e-3
     # the same operands and scheme; the tiers' key tiles differ (P is rounded against the
     # running max of 256 keys instead of 128), so they differ well within the scheme's error
@@ -123,21 +131,28 @@ def test_tier2_refuses_what_it_cannot_serve():
         prepare_attention(q, k, v, mask, False, None, "fp8", None, tier="gluon")
     with pytest.raises(ValueError, match="no tier-2 kernel"):
         prepare_attention(q, k, v, None, False, None, "int_flash", None, tier="gluon")
+    with pytest.raises(ValueError, match="pv: fp16"):
+        prepare_attention(q, k, v, None, False, None, "sage2_8b", {"pv": "fp16"}, tier="gluon")
+    call = prepare_attention(q, k, v, None, False, None, "sage2_8b", None, tier="gluon")
+    with pytest.raises(ValueError, match="log-sum-exp"):
+        call.run(lse=torch.empty(1, 2, 256, device="cuda"))
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_the_tier_table_decides_eager_calls(causal):
+@pytest.mark.parametrize("index", range(2))
+def test_the_tier_table_decides_eager_calls(index):
+    """Each row of the tier table (imported in the test: collection must not load the
+    kernels on CPU machines, where they run under the interpreter)."""
     _tier2_ready()
     from qattn_compile.kernels.launch import prepare_attention
     from qattn_compile.kernels.tiers import TIER2_TABLE
 
-    row = next(r for r in TIER2_TABLE if r.causal == causal)
-    n = row.min_length
+    assert len(TIER2_TABLE) == 2
+    row = TIER2_TABLE[index]
+    n, causal = row.min_length, row.causal
     long = _inputs(1, 2, 2, n, n, row.head_dim)
     short = _inputs(1, 2, 2, n // 2, n // 2, row.head_dim)
-    assert prepare_attention(*long, None, causal, None, "fp8").tier == "gluon"
-    assert prepare_attention(*short, None, causal, None, "fp8").tier == "triton"
-    assert prepare_attention(*_inputs(1, 2, 2, n, n, 64), None, causal, None, "fp8").tier == "triton"
+    assert prepare_attention(*long, None, causal, None, row.preset).tier == "gluon"
+    assert prepare_attention(*short, None, causal, None, row.preset).tier == "triton"
 
 
 def test_compiled_long_fp8_site_gets_the_opaque_op_and_runs_tier2():

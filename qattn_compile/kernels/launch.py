@@ -457,10 +457,11 @@ class PreparedAttention:
         scores (``-inf`` for a row with no visible key)."""
         out = output_buffer(self.out_shape, self.out_dtype, self.ops.q.device,
                             self.out_heads_inside_tokens)
+        if lse is not None and (self.tier2 is None or self.ops.switches["QK_FMT"] != int(ak.QK_FP8)):
+            raise ValueError("the log-sum-exp comes from tier 2's fp8 calls only (sage2_8b's "
+                             "smoothed K shifts each row's scores by q·mean(K))")
         if self.tier2 is not None:
             _launch_tier2(self.ops, out, self.is_causal, self.tier2, lse)
-        elif lse is not None:
-            raise ValueError("the log-sum-exp comes from tier 2 only; this call runs tier 1")
         else:
             _launch(self.ops, out, self.shape, self.mask, self.is_causal, self.qk_scale,
                     self.cfg, self.dot_precision)
@@ -469,17 +470,21 @@ class PreparedAttention:
 
 def _launch_tier2(ops: Operands, out: Tensor, is_causal: bool, cfg: Tier2Config,
                   lse: Tensor | None) -> None:
-    """Run :func:`.hopper.run_fp8` on fp8's prepared operands into ``out``."""
+    """Run :func:`.hopper.run` on prepared operands (fp8's or sage2_8b's) into ``out``."""
     from . import hopper
 
     device = out.device
     qs, q_group, _ = _scale_args(ops.q_scale, ops.q_group, device)
     ks, k_group, _ = _scale_args(ops.k_scale, ops.k_group, device)
-    vs, v_group, _ = _scale_args(ops.v_scale, ops.v_group, device)
-    hopper.run_fp8(ops.q.contiguous(), ops.k.contiguous(), ops.v.contiguous(), qs, q_group,
-                   ks, k_group, vs, v_group, out, is_causal, block_n=cfg.block_n,
-                   stages=cfg.stages, consumer_regs=cfg.consumer_regs,
-                   producer_regs=cfg.producer_regs, lse=lse)
+    if ops.v_per_channel:
+        vs, v_group = ops.v_scale, 1
+    else:
+        vs, v_group, _ = _scale_args(ops.v_scale, ops.v_group, device)
+    hopper.run(ops.q.contiguous(), ops.k.contiguous(), ops.v.contiguous(), qs, q_group, ks,
+               k_group, vs, v_group, out, is_causal, block_n=cfg.block_n, stages=cfg.stages,
+               consumer_regs=cfg.consumer_regs, producer_regs=cfg.producer_regs,
+               v_per_channel=ops.v_per_channel, delta_s=ops.delta_s, ds_group=SMOOTH_Q_BLOCK,
+               v_mean=ops.v_mean, lse=lse)
 
 
 def _resolve(
@@ -548,7 +553,7 @@ def prepare_attention(
     tau = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     qk_mul = tau * LOG2E
     ops = _PREPARE[preset](q, k, v, opts, qk_mul, static, bool(is_causal))
-    tier2 = tier2_config(dim, bool(is_causal)) if use_tier2 else None
+    tier2 = tier2_config(preset, dim, bool(is_causal)) if use_tier2 else None
     per_block_v = ops.v_scale is not None and not ops.v_per_channel and ops.v_scale.shape[-1] > 1
     v_block = ops.v_group if per_block_v else 0  # V's tokens per scale, for the tile constraint
     smooth_q = ops.delta_s is not None
@@ -585,7 +590,7 @@ def _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier: str 
     if tier == "triton":
         return False
     reason = ("traced by torch.compile (tier 1 is inlined)" if lowered_decomposed(q) else
-              tier2_refusal(preset, getattr(opts, "granularity", None), q.shape, k.shape,
+              tier2_refusal(preset, opts, q.shape, k.shape,
                             v.shape, q.dtype, q.device, masked=attn_mask is not None,
                             scale=scale, causal=bool(is_causal), forced=tier == "gluon"))
     if reason is None:

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..presets import resolve_options
+
 TESTED_TRITON = ("3.6.0",)
 """Triton releases tier 2 was compiled and checked on (Gluon's API changes between them)."""
-PRESETS = ("fp8",)
-GRANULARITIES = ("block", "tensor")
+PRESETS = ("fp8", "sage2_8b")
+FP8_GRANULARITIES = ("block", "tensor")
 """fp8's granularities whose K and V scales span whole 256-key tiles (one scale per tile)."""
 
 
@@ -40,8 +42,10 @@ class Tier2Config:
 @dataclass(frozen=True)
 class Tier2Row:
     """Where tier 2 beats tier 1 (H200, Triton 3.6; ``docs/performance.md``): calls of this
-    head dim and causality with at least ``min_length`` queries and keys, and its tiles."""
+    preset, head dim and causality with at least ``min_length`` queries and keys, and the
+    kernel's tiles for them."""
 
+    preset: str
     head_dim: int
     causal: bool
     min_length: int
@@ -49,22 +53,28 @@ class Tier2Row:
 
 
 TIER2_TABLE = (
-    Tier2Row(128, False, 2048, Tier2Config(block_n=256, stages=3, consumer_regs=232)),
-    Tier2Row(128, True, 16384, Tier2Config(block_n=256, stages=2, consumer_regs=240)),
+    Tier2Row("fp8", 128, False, 2048, Tier2Config(block_n=256, stages=3, consumer_regs=232)),
+    Tier2Row("fp8", 128, True, 16384, Tier2Config(block_n=256, stages=2, consumer_regs=240)),
 )
-"""One row per (head dim, causal) that tier 2 serves; D=64 is not in it (tier 1 is as fast
-or faster there on the H200)."""
+"""One row per (preset, head dim, causal) that tier 2 serves: fp8 at D=128. Not in it (tier
+1 is as fast or faster there on the H200): fp8 at D=64, and sage2_8b, whose formats the
+kernel computes (``tier="gluon"`` runs them) at 0.65× tier 1's speed so far."""
+
+FORCED_TILES = {"sage2_8b": Tier2Config(block_n=128, stages=3, consumer_regs=232)}
+"""Tiles of a forced tier-2 call of a preset without a row (256-key tiles spill with
+sage2_8b's per-key K scales and ΔS)."""
 
 
-def _row(head_dim: int, causal: bool) -> Tier2Row | None:
-    return next((r for r in TIER2_TABLE if (r.head_dim, r.causal) == (head_dim, causal)), None)
+def _row(preset: str, head_dim: int, causal: bool) -> Tier2Row | None:
+    return next((r for r in TIER2_TABLE if (r.preset, r.head_dim, r.causal) == (preset, head_dim, causal)),
+                None)
 
 
-def tier2_config(head_dim: int, causal: bool) -> Tier2Config:
+def tier2_config(preset: str, head_dim: int, causal: bool) -> Tier2Config:
     """The Gluon kernel's tiles for a call that :func:`tier2_refusal` lets through (a forced
-    call of a head dim without a row takes the D=128 row's tiles of its causality)."""
-    row = _row(head_dim, causal) or _row(128, causal)
-    return row.config
+    call without a row takes :data:`FORCED_TILES`, else the D=128 row's tiles)."""
+    row = _row(preset, head_dim, causal) or _row(preset, 128, causal)
+    return row.config if row is not None else FORCED_TILES[preset]
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,13 +90,24 @@ def _gluon_available() -> str | None:
     return None
 
 
-def tier2_refusal(preset: str, granularity: str | None, q_shape, k_shape, v_shape,
+def _format_refusal(preset: str, options) -> str | None:
+    """Why the preset's options take formats tier 2 does not read (a sentence), or None."""
+    opts = resolve_options(preset, options)
+    if preset == "fp8" and opts.granularity not in FP8_GRANULARITIES:
+        return (f"fp8 granularity {opts.granularity!r} (tier 2 takes one K and V scale per "
+                f"256-key tile: {', '.join(FP8_GRANULARITIES)})")
+    if preset == "sage2_8b" and opts.pv != "fp8":
+        return "sage2_8b `pv: fp16` (tier 2 takes FP8 P and V)"
+    return None
+
+
+def tier2_refusal(preset: str, options, q_shape, k_shape, v_shape,
                   dtype: torch.dtype, device: torch.device, *, masked: bool,
                   scale: float | None, causal: bool, forced: bool = False) -> str | None:
     """Why tier 2 does not serve this call (a sentence), or None when it does.
 
-    Shapes ``[B, H, L, D]`` (ints, or size hints of symbolic sizes); ``granularity``: the
-    fp8 preset's option; ``masked``: a tensor mask remains after causality is taken out;
+    Shapes ``[B, H, L, D]`` (ints, or size hints of symbolic sizes); ``options``: the
+    preset's (dict, :class:`~qattn_compile.presets.PresetOptions` or None); ``masked``: a tensor mask remains after causality is taken out;
     ``scale``: the softmax scale (None = ``1/sqrt(D)``); ``causal``: top-left causal;
     ``forced``: the caller asks for tier 2, so only what it cannot compute counts, not
     where :data:`TIER2_TABLE` says tier 1 is the faster choice.
@@ -101,9 +122,9 @@ def tier2_refusal(preset: str, granularity: str | None, q_shape, k_shape, v_shap
     if capability(device) != (9, 0):
         major, minor = capability(device)
         return f"sm_{major}{minor} (tier 2 is written for Hopper, sm_90)"
-    if granularity not in GRANULARITIES:
-        return (f"fp8 granularity {granularity!r} (tier 2 takes one K and V scale per key "
-                f"tile: {', '.join(GRANULARITIES)})")
+    format_refusal = _format_refusal(preset, options)
+    if format_refusal is not None:
+        return format_refusal
     d, dv = q_shape[-1], v_shape[-1]
     if d != dv or d not in (64, 128):
         return f"head dims {d}/{dv} (the tier-2 kernel takes 64 or 128, equal)"
@@ -116,10 +137,10 @@ def tier2_refusal(preset: str, granularity: str | None, q_shape, k_shape, v_shap
     reason = _gluon_available()
     if reason is not None or forced:
         return reason
-    row = _row(d, causal)
+    row = _row(preset, d, causal)
     kind = "causal" if causal else "non-causal"
     if row is None:
-        return f"head dim {d} {kind}: tier 1 is as fast or faster there"
+        return f"{preset} at head dim {d} {kind}: tier 1 is as fast or faster there"
     if min(q_shape[-2], k_shape[-2]) < row.min_length:
         return (f"sequence lengths {q_shape[-2]}/{k_shape[-2]} < {row.min_length} at head dim "
                 f"{d} {kind}: tier 1 is as fast or faster there")
