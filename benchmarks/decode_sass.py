@@ -6,8 +6,8 @@ Run on the CPU machine from the repository root (about 10 s per variant)::
     .venv/bin/python benchmarks/decode_sass.py [--format int4|int2|mix] [--dump DIR] \\
         [NAME='{"blocks_per_iter": 2, "num_warps": 2}' ...]
 
-Each ``NAME=JSON`` is a :class:`~qattn_compile.kernels.decode.DecodeConfig` (none: the
-default). The launch of :func:`~qattn_compile.kernels.decode.flashq_decode_triton` for the
+Each ``NAME=JSON`` is a :class:`~qattn_compile.kvcache.kernel.DecodeConfig` (none: the
+default). The launch of :func:`~qattn_compile.kvcache.kernel.flashq_decode_triton` for the
 benchmark's head layout (GQA 32/8, D=128, bf16) is intercepted, and its arguments are
 specialised the way Triton's JIT does (integer 1 → constexpr, divisibility by 16). The kernel
 is then compiled for ``GPUTarget("cuda", 90, 32)`` with the ptxas/nvdisasm bundled in the
@@ -52,7 +52,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-import qattn_compile.kernels.decode as decode  # noqa: E402
+import qattn_compile.kvcache.kernel as decode  # noqa: E402
 from qattn_compile.kvcache import FlashQLayer  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -40,7 +40,7 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     (batch, head); static α is one value per head (``static_scales``: ``q``/``o`` per query
     head, ``k``/``v`` per kv head), recorded by ``qattn calibrate`` and filled into each
     site's options from the ``calibration`` file by
-    :func:`qattn_compile.evaluation.calibrate.options_for_site`.
+    :func:`qattn_compile.scales.options_for_site`.
 ``sage2_8b``
     SageAttention2, 8-bit. K smoothing: ``K ← K − mean_tokens(K)`` per channel (exact: it
     shifts every score of a row by one constant). Q smoothing: per block of SMOOTH_Q_BLOCK
@@ -218,7 +218,7 @@ class FmhaInt8Options(KernelOptions):
 
     Static mode: ``scales: static`` with ``calibration: <file of qattn calibrate>``. The
     policy names only the file; the per-site α are filled into ``static_scales`` when the
-    site is rewritten (:func:`qattn_compile.evaluation.calibrate.options_for_site`), so the
+    site is rewritten (:func:`qattn_compile.scales.options_for_site`), so the
     graph op carries them in its options JSON and the reference/kernels read them there.
     Relative ``calibration`` paths are resolved against the working directory, then against
     the policy file's directory.

@@ -32,13 +32,13 @@ from torch import fx
 
 from . import ops
 from .errors import UnsupportedSiteError
-from .evaluation.calibrate import options_for_site, site_keys
 from .patterns import AttentionSite, find_attention_sites
 from .patterns.masks import MaskSpec, split_causal
 from .patterns.nodes import example_value, shape_of, tensor_value
 from .policy import Decision, Policy
 from .presets import KernelOptions
 from .report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
+from .scales import options_for_site, site_keys
 
 log = logging.getLogger("qattn_compile.rewrite")
 

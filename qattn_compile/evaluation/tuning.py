@@ -56,7 +56,7 @@ import torch
 from ..errors import QattnError
 from ..policy import load_policy
 from ..presets import PRESET_NAMES, QUANTIZED_PRESETS
-from .calibrate import static_options
+from ..scales import static_options
 from .site_eval import Evaluator, RunResult, format_e2e, isolated_site_metrics
 
 DEFAULT_RANKING: tuple[str, ...] = ("fp8", "int_flash", "sage2_8b", "fmha_int8", "flash", "sage2_4b", "turbo")

@@ -95,8 +95,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..blocks import KV_CACHE_BLOCK
-from ..kvcache.flashq import check_decode_args
-from .primitives import additive_bias_log2, interpreted
+from ..kernels.primitives import additive_bias_log2, interpreted
+from .flashq import check_decode_args
 
 _LOG2E = 1.4426950408889634
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
