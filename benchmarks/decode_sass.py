@@ -26,7 +26,7 @@ This reads Triton internals (the JIT's binder, ``triton.compile`` on an ``ASTSou
 Written against Triton 3.9; another version may need this file adapted. The GPU machine runs
 Triton 3.6, so counts there can differ a little (session 6: 1593 against the GPU's own 1585).
 What it is good for: seeing whether a change to the kernel removes shared-memory round trips
-or register moves before spending device time on it (benchmarks/NOTES.md, session 5). What it
+or register moves before spending device time on it (docs/archive/NOTES.md, session 5). What it
 is not: a timing model. A variant with 22 % fewer instructions and 50 fewer registers ran
 1.25× slower because it put two shared-memory round trips on the chain from scores to P·V
 (NOTES, session 6); for where a one-warp program waits, profile on the GPU (Nsight Compute's

@@ -6,7 +6,7 @@ Run on the GPU machine from the repository root::
 
 What it is for: the step after ``benchmarks/loop_ceiling.py``. Triton's automatic pipeline caps
 the simplest 8-bit loop near 800 TOPS at D=128 on the H100, and its automatic warp
-specialization does not help (benchmarks/NOTES.md, session 15). This loop is written in Gluon
+specialization does not help (docs/archive/NOTES.md, session 15). This loop is written in Gluon
 (``triton.experimental.gluon``, Triton's explicit-layout dialect) with FlashAttention-3's
 structure: one program holds 128 query rows as two consumer warpgroups of 64 rows (the default
 partition and a 4-warp worker), which share a ring of ``--stages`` K/V tiles that a 1-warp

@@ -75,8 +75,8 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     128 tokens: one quantizer pass per operand, Q's fused with its RoPE in a compiled model,
     and a token outlier coarsens only its own block), ``tensor`` (one scale per (batch,
     head), FlashAttention-3's; a statistics pass per operand first), or ``q_token`` (as
-    ``block`` with K and V per 64 tokens; ~1 % faster for short prefills in a compiled model,
-    slower at long ones, where its per-64-token V caps the key tile at 64).
+    ``block`` with K and V per 64 tokens; slightly faster for short prefills in a compiled
+    model, slower at long ones, where its per-64-token V caps the key tile at 64).
     ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
 ``none``
     Leave the site as it is.
