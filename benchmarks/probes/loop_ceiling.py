@@ -2,7 +2,7 @@
 
 Run on the GPU machine from the repository root::
 
-    PYTHONPATH=. python3 benchmarks/loop_ceiling.py --out $OUT/loop_ceiling.json
+    PYTHONPATH=. python3 benchmarks/probes/loop_ceiling.py --out $OUT/loop_ceiling.json
 
 What it is for: a ceiling for the structure of qattn's attention kernel on the installed
 Triton, and a check of Triton's automatic warp specialization (``tl.range(...,

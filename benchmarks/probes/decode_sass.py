@@ -3,7 +3,7 @@ memory, and what its loops spend their instructions on. No GPU needed.
 
 Run on the CPU machine from the repository root (about 10 s per variant)::
 
-    .venv/bin/python benchmarks/decode_sass.py [--format int4|int2|mix] [--dump DIR] \\
+    .venv/bin/python benchmarks/probes/decode_sass.py [--format int4|int2|mix] [--dump DIR] \\
         [NAME='{"blocks_per_iter": 2, "num_warps": 2}' ...]
 
 Each ``NAME=JSON`` is a :class:`~qattn_compile.kvcache.kernel.DecodeConfig` (none: the
