@@ -6,7 +6,7 @@ Run on the GPU machine from the repository root (about a minute and a half on th
 
 Decode attention (q_len 1, GQA 32 query / 8 kv heads, D=128) at B=8 × 32K tokens, B=1 × 128K
 and B=1 × 32K. SDPA (flash and cuDNN backends, ``enable_gqa``) reads a bf16 cache; FlashQ
-runs :func:`~qattn_compile.kernels.decode.flashq_decode_triton` on a cache filled by
+runs :func:`~qattn_compile.kvcache.kernel.flashq_decode_triton` on a cache filled by
 ``FlashQLayer`` (prefill of the random K/V, one decode token) for INT4 on every head, the
 2/4 mix (half the kv heads INT2) and INT2 on every head.
 
@@ -48,7 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qattn_compile.blocks import KV_CACHE_BLOCK
 from qattn_compile.kernels import autotune
-from qattn_compile.kernels.decode import MAX_SPLITS, DecodeConfig, flashq_decode_triton, resolve
+from qattn_compile.kvcache.kernel import MAX_SPLITS, DecodeConfig, flashq_decode_triton, resolve
 from qattn_compile.kvcache import FlashQCache, FlashQLayer, flashq, kv_bytes_report
 from qattn_compile.metrics import compare
 from qattn_compile.policy import KVCacheLayer

@@ -3,7 +3,7 @@
 # package (for its entry points), then run what is named: tests (or tests-kernels,
 # tests-kvcache, tests-compile), attention, e2e, decode.
 # Logs and JSON go to $OUT.   Usage: bash benchmarks/gpu_run.sh tests attention
-# The whole GPU suite (`tests`, 190 tests in session 28) takes over 11 minutes on the H100,
+# The whole GPU suite (`tests`, ~190 tests) takes over 11 minutes on the H100,
 # more than one 10-minute device call: split it as `tests-kernels` (~4.5 min), then
 # `tests-kvcache tests-compile`.
 set -uo pipefail

@@ -20,7 +20,7 @@ Usage (on the GPU machine, from the repository root)::
    time of the whole call (quantizers + attention), of the attention kernel alone on
    prepared operands, and of torch SDPA; TOPS = 4·B·H·N²·D / t (halved when causal).
 
-Tile configs are swept by ``benchmarks/sweep.py`` (which also checks every config's output).
+Tile configs are swept by ``benchmarks/probes/sweep.py`` (which also checks every config's output).
 
 A preset that fails is reported (error text in the JSON) and the others go on. The table is
 printed last; the JSON holds every number plus the torch/triton versions and the device.

@@ -29,9 +29,8 @@ QUANT_BLOCK_Q = 128
 QUANT_BLOCK_KV = 64
 FP8_BLOCK = 128
 """Tokens per K and V scale of ``fp8``'s ``block`` granularity: the key tile of its
-long-sequence kernels, which a per-block V scale must span. With K and V per 64 tokens the
-tile was capped at 64 keys (H100, 16K, D=128 non-causal, runs 5–6 of session 23 in
-benchmarks/RESULTS.md: 615–667 TOPS with 64-token K/V groups, 765–809 with 128)."""
+long-sequence kernels, which a per-block V scale must span (with K and V per 64 tokens the
+tile was capped at 64 keys, and slower: docs/performance.md)."""
 FP8_KV_BLOCK = 256
 """Tokens per K and V scale of ``fp8``'s ``block`` granularity: the key tile of the Hopper
 tier-2 kernel (:mod:`qattn_compile.kernels.tiers`), which takes one K and one V scale per
@@ -73,8 +72,7 @@ def fp8_group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int
     is Q per token with K and V per :data:`FP8_KV_BLOCK` tokens. Q per token costs nothing in
     the kernel (a query's scale multiplies its score row, once per tile), is the finest Q
     scale, and lets Inductor write Q's quantization into its RoPE kernel (one reduction per
-    token); per block it took a pass of its own (H100, session 25 in benchmarks/RESULTS.md:
-    the Llama-1B attention block at B=4 × 1K 236 → 204 µs, 16K calls level or faster)."""
+    token); per block it took a pass of its own (docs/performance.md)."""
     if granularity == "block":
         return 1, FP8_KV_BLOCK
     return group_sizes(granularity, q_len, kv_len)
@@ -83,10 +81,8 @@ def fp8_group_sizes(granularity: str, q_len: int, kv_len: int) -> tuple[int, int
 def int_flash_group_sizes(k_granularity: str, q_len: int, kv_len: int) -> tuple[int, int]:
     """Tokens per scale for (Q, K) of ``int_flash``: Q per token; K per :data:`FP8_BLOCK`
     tokens (``block``, the default: one K scale per 128-key tile, which the kernel folds into
-    the rows' scale instead of multiplying each score by its key's; Triton 3.6 for sm_90 then
-    allocates D=64 tiles 125 registers instead of 168 without a mask, 151 causal; H100, 16K
-    eager calls: +7–17 % at D=128, +2–7 % at D=64; benchmarks/RESULTS.md, session 27) or per
-    token (``token``, the paper's)."""
+    the rows' scale instead of multiplying each score by its key's: fewer registers, faster;
+    docs/performance.md) or per token (``token``, the paper's)."""
     if k_granularity == "block":
         return 1, FP8_BLOCK
     return group_sizes(k_granularity, q_len, kv_len)
@@ -97,6 +93,6 @@ def int_flash_v_group(v_granularity: str, kv_len: int) -> int:
     one scale per 128-key tile, computed inside V's one quantizer pass) or all ``kv_len``
     tokens (``tensor``, the paper's: a statistics pass first). Per tensor, a row whose keys
     hold V values far smaller than the tensor's largest gets a few INT8 levels: with V token
-    magnitudes spread 0.1–10 along the sequence, causal rel-L1 0.176 per tensor against 0.020
-    per block (H100, 16K, D=128; benchmarks/RESULTS.md, session 31), for the same time."""
+    magnitudes spread 0.1–10 along the sequence, causal rows early in it lose most of their
+    accuracy per tensor; per block costs no time (docs/performance.md)."""
     return int_flash_group_sizes(v_granularity, 1, kv_len)[1]

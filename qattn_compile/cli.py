@@ -19,11 +19,11 @@ from .debug.commands import add_subcommands as add_debug_subcommands
 from .errors import QattnError
 from .evaluation.commands import add_subcommands as add_eval_subcommands
 from .metrics import compare
-from .debug.specs import load_spec
 from .models import MINILM, minilm_available
 from .presets import PRESET_METHODS, QUANTIZED_PRESETS
 from .progress import step
 from .report import REWRITTEN, format_table
+from .specs import load_spec
 
 
 def _device_and_dtype():

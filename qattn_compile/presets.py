@@ -40,7 +40,7 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     (batch, head); static α is one value per head (``static_scales``: ``q``/``o`` per query
     head, ``k``/``v`` per kv head), recorded by ``qattn calibrate`` and filled into each
     site's options from the ``calibration`` file by
-    :func:`qattn_compile.evaluation.calibrate.options_for_site`.
+    :func:`qattn_compile.scales.options_for_site`.
 ``sage2_8b``
     SageAttention2, 8-bit. K smoothing: ``K ← K − mean_tokens(K)`` per channel (exact: it
     shifts every score of a row by one constant). Q smoothing: per block of SMOOTH_Q_BLOCK
@@ -75,8 +75,8 @@ Token-group sizes for ``warp``/``block`` granularities live in :mod:`qattn_compi
     256 tokens: one quantizer pass per operand, Q's fused with its RoPE in a compiled model,
     and a token outlier coarsens only its own block), ``tensor`` (one scale per (batch,
     head), FlashAttention-3's; a statistics pass per operand first), or ``q_token`` (as
-    ``block`` with K and V per 64 tokens; ~1 % faster for short prefills in a compiled model,
-    slower at long ones, where its per-64-token V caps the key tile at 64).
+    ``block`` with K and V per 64 tokens; slightly faster for short prefills in a compiled
+    model, slower at long ones, where its per-64-token V caps the key tile at 64).
     ``P̃ = exp(S − m)``, ``l = Σ P̃``, ``P̂ = fp8_e4m3(448·P̃)``, ``O = (P̂·V̂)/448·s_v / l``.
 ``none``
     Leave the site as it is.
@@ -218,7 +218,7 @@ class FmhaInt8Options(KernelOptions):
 
     Static mode: ``scales: static`` with ``calibration: <file of qattn calibrate>``. The
     policy names only the file; the per-site α are filled into ``static_scales`` when the
-    site is rewritten (:func:`qattn_compile.evaluation.calibrate.options_for_site`), so the
+    site is rewritten (:func:`qattn_compile.scales.options_for_site`), so the
     graph op carries them in its options JSON and the reference/kernels read them there.
     Relative ``calibration`` paths are resolved against the working directory, then against
     the policy file's directory.

@@ -25,20 +25,19 @@ import dataclasses
 import logging
 import math
 import operator
-import re
 
 import torch
 from torch import fx
 
 from . import _compat, ops
 from .errors import UnsupportedSiteError
-from .evaluation.calibrate import options_for_site, site_keys
 from .patterns import AttentionSite, find_attention_sites
 from .patterns.masks import MaskSpec, split_causal
-from .patterns.nodes import example_value, shape_of, tensor_value
+from .patterns.nodes import example_value, mutates, shape_of, tensor_value
 from .policy import Decision, Policy
 from .presets import KernelOptions
 from .report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
+from .scales import options_for_site, site_keys
 
 log = logging.getLogger("qattn_compile.rewrite")
 
@@ -146,28 +145,10 @@ def _cast_like(emit: _Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
     return emit("to", node, want.dtype, method=True)
 
 
-_AUGMENTED = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
-              "matmul")
-_OPERATOR_IN_PLACE = frozenset(getattr(operator, f"i{op}") for op in _AUGMENTED)
-_IN_PLACE_NAME = re.compile(rf"^(?!__)\w+_$|^__i({'|'.join(_AUGMENTED)})__$")
-"""Names of in-place tensor ops: ``masked_fill_``, ``__iand__``."""
-
-
-def _mutates(node: fx.Node) -> bool:
-    """Whether ``node`` is an in-place op (``masked_fill_``, ``x &= m``), which a graph may
-    leave unused while later nodes read the tensor it changed."""
-    if node.op == "call_method":
-        return bool(_IN_PLACE_NAME.match(node.target))
-    if node.target in _OPERATOR_IN_PLACE:
-        return True
-    name = getattr(node.target, "__name__", "")
-    return getattr(node.target, "__module__", "") != operator.and_.__module__ and bool(_IN_PLACE_NAME.match(name))
-
-
 def _is_pure(node: fx.Node) -> bool:
     """Whether erasing ``node`` once unused changes nothing else: a call that neither mutates
     its inputs nor has side effects."""
-    return node.op in ("call_function", "call_method") and not node.is_impure() and not _mutates(node)
+    return node.op in ("call_function", "call_method") and not node.is_impure() and not mutates(node)
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], matched: list[fx.Node]) -> None:

@@ -6,16 +6,71 @@ implementation transformers offers (``eager``: hand-written matmul/softmax chain
 ``sdpa``: ``F.scaled_dot_product_attention``). Offline: nothing is downloaded.
 ``attention_classes`` names the module classes holding one attention computation each, so
 a test can check that every attention module became exactly one site.
+
+Every model the CLI and tests run (here, in :mod:`qattn_compile.models` and
+:mod:`qattn_compile.specs`) comes as a :class:`ModelBundle`: the model, its example inputs
+and how to read its comparable output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from .models import ModelBundle
+
+def move_tensor(value, device, dtype: torch.dtype | None = None):
+    """``value`` on ``device`` with a floating-point tensor cast to ``dtype`` (when given);
+    integer tensors (token ids, masks) keep their dtype, anything else is returned as is."""
+    if not torch.is_tensor(value):
+        return value
+    if dtype is not None and value.is_floating_point():
+        return value.to(device, dtype)
+    return value.to(device)
+
+
+def move_tensors(kwargs: dict, device, dtype: torch.dtype | None = None) -> dict:
+    """:func:`move_tensor` applied to every value of ``kwargs`` (a new dict)."""
+    return {k: move_tensor(v, device, dtype) for k, v in kwargs.items()}
+
+
+@dataclass
+class ModelBundle:
+    """A model in eval mode, its example inputs and how to read its comparable output."""
+
+    name: str
+    model: nn.Module
+    kwargs: dict = field(default_factory=dict)
+    args: tuple = ()
+    kind: str = "encoder"  # encoder: pooled embeddings are compared; decoder: logits
+
+    def to(self, device, dtype: torch.dtype | None = None) -> "ModelBundle":
+        """Move the model and the example inputs to ``device`` (in place; returns self); with
+        ``dtype``, the model's and the inputs' floating-point tensors are cast to it (a
+        Whisper's ``input_features`` must follow its weights)."""
+        self.model.to(device) if dtype is None else self.model.to(device, dtype)
+        self.args = tuple(move_tensor(a, device, dtype) for a in self.args)
+        self.kwargs = move_tensors(self.kwargs, device, dtype)
+        return self
+
+    def run(self, model: nn.Module | None = None) -> torch.Tensor:
+        """Forward ``model`` (default: the bundle's) on the inputs; return the compared output."""
+        with torch.no_grad():
+            out = (self.model if model is None else model)(*self.args, **self.kwargs)
+        if self.kind == "decoder":
+            return out.logits.float()
+        if not hasattr(out, "last_hidden_state"):
+            return out.float() if isinstance(out, torch.Tensor) else out[0].float()
+        hidden = out.last_hidden_state.float()
+        mask = self.kwargs.get("attention_mask")
+        if mask is None:
+            return hidden.mean(dim=1)
+        mask = mask.unsqueeze(-1).float()
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 64, 4, 2, 2, 128, 256
 IMAGE, PATCH, MEL_BINS, AUDIO_FRAMES = 16, 4, 8, 16

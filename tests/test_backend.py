@@ -325,7 +325,7 @@ def test_custom_op_output_is_contiguous_whatever_q_layout(heads_inside):
     """The custom op (CPU sites) returns a contiguous output, as its fake says: Inductor may
     hand it a q stored otherwise than the fake q was (an output following q's layout failed
     Inductor's stride check in the compiled tiny Llama)."""
-    from qattn_compile import ops
+    from qattn_compile.kernels.layout import heads_inside_tokens
 
     torch.manual_seed(0)
     q = torch.randn(2, 37, 4, 32)
@@ -333,7 +333,7 @@ def test_custom_op_output_is_contiguous_whatever_q_layout(heads_inside):
     k, v = torch.randn(2, 2, 37, 32), torch.randn(2, 2, 37, 32)
     args = (q, k, v, None, True, None, "flash", "{}")
     out = torch.ops.qattn.attention(*args)
-    assert ops.heads_inside_tokens(q) == heads_inside and out.is_contiguous()
+    assert heads_inside_tokens(q) == heads_inside and out.is_contiguous()
     torch.library.opcheck(torch.ops.qattn.attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -22,12 +22,12 @@ from qattn_compile._compat import structured_trace_logger
 from qattn_compile.cli import main
 from qattn_compile.debug.commands import STRICT_EXIT, add_subcommands
 from qattn_compile.debug.explain import Explanation
-from qattn_compile.debug.specs import ModelSpecError, load_spec, random_inputs, tiny_config
 from qattn_compile.debug.table import format_shapes
 from qattn_compile.models import tiny_llama
 from qattn_compile.policy import load_policy
 from qattn_compile.report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
 from qattn_compile.rewrite import rewrite_attention
+from qattn_compile.specs import ModelSpecError, load_spec, random_inputs, tiny_config
 from qattn_compile.zoo import ZOO
 from qattn_compile.zoo import attention_modules as zoo_attention_modules
 

@@ -25,10 +25,6 @@ from qattn_compile.evaluation import (
     isolated_site_metrics,
     load_inputs,
     load_ranking,
-    load_scales,
-    options_for_site,
-    save_scales,
-    static_options,
     tune,
 )
 from qattn_compile.evaluation import png
@@ -39,6 +35,7 @@ from qattn_compile.models import minilm_available
 from qattn_compile.policy import load_policy
 from qattn_compile.presets import FmhaInt8Options, resolve_options
 from qattn_compile.reference import exact_attention, reference_attention
+from qattn_compile.scales import load_scales, options_for_site, save_scales, static_options
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """TMA-descriptor loads of K and V give the same attention as pointer loads (Triton
-interpreter on CPU; benchmarks/sweep.py checks the same on the H100).
+interpreter on CPU; benchmarks/probes/sweep.py checks the same on the H100).
 
 The descriptor path changes only how tiles are read (zero-filled boxes instead of masked
 loads); the arithmetic per tile is the same, so outputs must be bit-identical.
@@ -19,7 +19,7 @@ from qattn_compile.kernels.heuristics import AttentionConfig  # noqa: E402
 from qattn_compile.reference import exact_attention  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="interpreter test; benchmarks/sweep.py checks the GPU"
+    torch.cuda.is_available(), reason="interpreter test; benchmarks/probes/sweep.py checks the GPU"
 )
 
 POINTERS = AttentionConfig(32, 32, 4, 1)

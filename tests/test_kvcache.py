@@ -338,7 +338,7 @@ _INTERP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="
 
 def _kernel_error(layer, q, attn_mask=None, scale=0.2, **config):
     """rel-L1 of the Triton kernel (interpreter) against ``reference_decode``."""
-    from qattn_compile.kernels.decode import DecodeConfig, flashq_decode_triton
+    from qattn_compile.kvcache.kernel import DecodeConfig, flashq_decode_triton
 
     ref = flashq.reference_decode(q, layer.tensors(), attn_mask, scale)
     out = flashq_decode_triton(q, layer.tensors(), attn_mask, scale, DecodeConfig(**config))
@@ -395,7 +395,7 @@ def test_decode_arguments_that_do_not_fit_the_cache_are_named():
 
 @_INTERP
 def test_decode_kernel_names_arguments_that_do_not_fit_the_cache():
-    from qattn_compile.kernels.decode import flashq_decode_triton
+    from qattn_compile.kvcache.kernel import flashq_decode_triton
 
     layer, _, _ = _filled_layer(2, 2, 100, 32, 0, 1, capacity=320)
     for q, mask, message in _bad_decode_calls(layer):
@@ -500,7 +500,7 @@ def test_decode_kernel_score_max_jumps_between_tiles(late):
 
 
 def test_default_splits_and_config_validation():
-    from qattn_compile.kernels.decode import (
+    from qattn_compile.kvcache.kernel import (
         MAX_SPLITS, DecodeConfig, default_prefetch, default_splits, default_warps,
     )
 
@@ -541,7 +541,7 @@ def _decode_benchmark():
 def test_decode_benchmark_variants_resolve_their_split_counts():
     """benchmarks/decode.py: an integer split count is launched as given, ``half``/``double``
     relative to the default (an integer count was once dropped, timing the default twice)."""
-    from qattn_compile.kernels.decode import resolve, DecodeConfig
+    from qattn_compile.kvcache.kernel import resolve, DecodeConfig
 
     bench = _decode_benchmark()
     layer, _, _ = _filled_layer(1, 2, 1300, 32, 1, 0, capacity=1400)

@@ -35,7 +35,7 @@ def _layer(b, h, d, length, steps, int2_heads, capacity, dtype=torch.bfloat16):
     ],
 )
 def test_decode_kernel_matches_reference(b, h, group, d, length, steps, int2_heads, lq, mask, dtype):
-    from qattn_compile.kernels.decode import flashq_decode_triton
+    from qattn_compile.kvcache.kernel import flashq_decode_triton
 
     capacity = length + steps + 64
     layer = _layer(b, h, d, length, steps, int2_heads, capacity, dtype)
@@ -65,7 +65,7 @@ _VARIANTS = [
 def test_decode_kernel_variants_match_reference(config, int2_heads):
     """Every variant of the benchmark's sweep at a realistic size: B=2, GQA 32/8, D=128, 16K
     prompt tokens + 70 decode steps (a ragged buffer), INT4 / 2-4 mix / INT2."""
-    from qattn_compile.kernels.decode import DecodeConfig, flashq_decode_triton
+    from qattn_compile.kvcache.kernel import DecodeConfig, flashq_decode_triton
 
     layer = _layer(2, 8, 128, 16384, 70, int2_heads, 16384 + 70 + 64)
     q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)

@@ -332,7 +332,8 @@ def test_static_fmha_int8_is_served_by_the_kernels(tmp_path, monkeypatch, autotu
     kernels' support check (which refuses static options without them), so the compiled
     model runs the Triton kernels instead of falling back; with ``autotune`` the tuner times
     its candidates on real stand-in α, not the traced (fake) ones."""
-    from qattn_compile.evaluation import Evaluator, calibrate_capture, load_inputs, save_scales
+    from qattn_compile.evaluation import Evaluator, calibrate_capture, load_inputs
+    from qattn_compile.scales import save_scales
     from qattn_compile.kernels import autotune as tuner
 
     monkeypatch.setenv(tuner.CACHE_DIR_ENV, str(tmp_path))

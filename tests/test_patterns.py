@@ -20,7 +20,7 @@ from torch import fx, nn
 from qattn_compile import _compat, ops
 from qattn_compile.models import tiny_llama
 from qattn_compile.patterns import einsum, find_attention_sites
-from qattn_compile.patterns.nodes import tensor_value
+from qattn_compile.patterns.nodes import mutates, tensor_value
 from qattn_compile.patterns.site import clean_fqn
 from qattn_compile.policy import load_policy
 from qattn_compile.report import FALLBACK, LEFT_ALONE, REWRITTEN, count_by_pattern
@@ -982,6 +982,18 @@ def _ones_changed_in_place(n):
     return (i[None, :] <= i[:, None]) & keep
 
 
+def _ones_and_in_place_by_dunder(n):
+    i, keep = torch.arange(n), torch.ones(n, n, dtype=torch.bool)
+    keep.__iand__(i[None, :] != n - 1)  # a call_method `__iand__` node: the last key hidden
+    return (i[None, :] <= i[:, None]) & keep
+
+
+def _ones_and_in_place_by_out(n):
+    i, keep = torch.arange(n), torch.ones(n, n, dtype=torch.bool)
+    torch.logical_and(keep, i[None, :] != n - 1, out=keep)
+    return (i[None, :] <= i[:, None]) & keep
+
+
 def _arange_changed_through_itself(n):
     idx = torch.arange(n)
     kv = idx[None, :]
@@ -1006,6 +1018,8 @@ def _packed_term_not_constant(n):
 
 @pytest.mark.parametrize("build", [
     _ones_changed_in_place,
+    _ones_and_in_place_by_dunder,
+    _ones_and_in_place_by_out,
     _arange_changed_through_itself,
     _shift_changed_in_place,
     lambda n: (torch.arange(n) + 5)[None, :] <= (torch.arange(n) + torch.full((), 5, dtype=torch.bool))[:, None],
@@ -1016,7 +1030,7 @@ def _packed_term_not_constant(n):
                <= (torch.arange(n, dtype=torch.int32) + (2**31 - 4))[:, None]),
     lambda n: (torch.arange(2**31 - 5, 2**31 - 5 + n).to(torch.int32)[None, :]
                <= torch.arange(2**31 - 5, 2**31 - 5 + n).to(torch.int32)[:, None]),
-], ids=["ones changed in place", "arange changed through a view", "0-d shift changed in place",
+], ids=["ones changed in place", "ones &= by __iand__", "ones changed by out=", "arange changed through a view", "0-d shift changed in place",
         "bool 0-d shift", "uint8 0-d shift", "packed term with alpha and cumsum over dim 0",
         "arange viewed as int32", "int32 arange that wraps", "int64 arange cast to int32 wraps"])
 def test_masks_that_only_look_causal_are_kept(build):
@@ -1026,7 +1040,8 @@ def test_masks_that_only_look_causal_are_kept(build):
     (each of these was, before: the compiled output differed by 2.4-3.9)."""
     expected, got, rec = run_compiled(BuiltMask(build), *attention_inputs())
     (report,) = rec.reports
-    if build in (_packed_term_not_constant, _ones_changed_in_place):
+    if build in (_packed_term_not_constant, _ones_changed_in_place, _ones_and_in_place_by_dunder,
+                 _ones_and_in_place_by_out):
         # their causal comparison is real; the term beside it is kept, not dropped as always true
         assert report.mask_kind in ("causal+packed", "causal+bool"), report.mask_kind
     else:
@@ -1129,3 +1144,47 @@ def test_erase_dead_keeps_in_place_ops_and_follows_inputs():
     assert dead.name not in left and as_float.name not in left
     _erase_dead(graph, [fill], matched=[fill])
     assert fill.name not in {n.name for n in graph.nodes}
+
+
+def test_erase_dead_keeps_an_unused_call_writing_to_out():
+    """``torch.logical_and(a, b, out=keep)`` changes ``keep``: unused, it still stays."""
+    from qattn_compile.rewrite import _erase_dead
+
+    graph = fx.Graph()
+    x, m = graph.placeholder("x"), graph.placeholder("m")
+    keep = graph.call_function(torch.ones_like, (x,))
+    write = graph.call_function(torch.logical_and, (keep, m), {"out": keep})
+    graph.output(graph.call_function(operator.and_, (keep, m)))
+    _erase_dead(graph, [write], matched=[])
+    assert write.name in {n.name for n in graph.nodes}
+
+
+def _node(graph: fx.Graph, op: str, target, *args, **kwargs) -> fx.Node:
+    return graph.create_node(op, target, args, kwargs)
+
+
+@pytest.mark.parametrize("op, target, out, changes", [
+    ("call_method", "__iand__", False, True),
+    ("call_method", "__ior__", False, True),
+    ("call_method", "__iadd__", False, True),
+    ("call_method", "__setitem__", False, True),
+    ("call_method", "masked_fill_", False, True),
+    ("call_function", operator.iand, False, True),
+    ("call_function", operator.setitem, False, True),
+    ("call_function", torch.Tensor.add_, False, True),
+    ("call_function", torch.relu_, False, True),
+    ("call_function", torch.logical_and, True, True),
+    ("call_method", "__and__", False, False),
+    ("call_method", "masked_fill", False, False),
+    ("call_function", operator.and_, False, False),
+    ("call_function", torch.logical_and, False, False),
+    ("call_function", torch.add, False, False),
+])
+def test_mutates_names_in_place_ops_in_every_spelling(op, target, out, changes):
+    """In-place dunders (``x &= m`` recorded as ``__iand__``), their ``operator`` functions,
+    ``*_`` methods and functions, and ``out=`` calls change a tensor; ``operator.and_`` and the
+    out-of-place ops do not."""
+    graph = fx.Graph()
+    x, m = graph.placeholder("x"), graph.placeholder("m")
+    node = _node(graph, op, target, x, m, **({"out": x} if out else {}))
+    assert mutates(node) is changes

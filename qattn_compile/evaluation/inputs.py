@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from ..errors import QattnError
-from ..debug.specs import load_spec
-from ..models import MINILM, ModelBundle, bundled_sentences, move_tensors
+from ..models import MINILM, bundled_sentences
+from ..specs import load_spec
+from ..zoo import ModelBundle, move_tensors
 
 RANDOM = "random"
 BUNDLED = "bundled"
@@ -55,7 +56,7 @@ class EvalInputs:
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "EvalInputs":
         """Move the model and every batch to ``device`` (in place; returns self); with
         ``dtype``, floating-point weights and inputs are cast to it
-        (:meth:`~qattn_compile.models.ModelBundle.to`)."""
+        (:meth:`~qattn_compile.zoo.ModelBundle.to`)."""
         self.bundle.to(device, dtype)
         self.batches = [None if b is None else move_tensors(b, device, dtype) for b in self.batches]
         return self

@@ -35,6 +35,7 @@ from .. import ops
 from ..metrics import compare
 from ..presets import PRESET_NAMES, PresetOptions, resolve_options
 from ..reference import exact_attention, mask_bias
+from ..scales import options_for_site
 from .capture import CaptureResult, SiteRecord, capture_run
 from .inputs import EvalInputs
 
@@ -99,8 +100,6 @@ def isolated_site_metrics(
     ``{"unsupported": reason}`` when the op cannot serve the site (it would fall back; also
     when the full-precision capture could not rewrite the site and so has no inputs).
     """
-    from .calibrate import options_for_site
-
     opts = resolve_options(preset, options)
     if preset == "none":
         return site_metrics(record)

@@ -8,21 +8,18 @@ cosine of the logits). ``--budget 0.999`` means both must be >= 0.999.
 **Speed ranking** (fastest first): :data:`DEFAULT_RANKING`, or a JSON file measured on the
 device (``--ranking``; :func:`load_ranking` reads it, :func:`measure_ranking` writes one on
 CUDA). The default is this package's kernels as measured on the H100 (``benchmarks/
-attention.py``, B=4, H=32, N=16K, quantizers included; ``benchmarks/RESULTS.md``, session
-28), TOPS at D=128 / D=64 causal, and the 32K Llama prefill at D=64:
+attention.py`` at 16K, quantizers included, and the 32K Llama prefill; the numbers:
+docs/performance.md):
 
-1. ``fp8`` — 822 / 574 (FP8 for both GEMMs).
-2. ``int_flash`` — 770 / 452; the fastest 8-bit preset in the compiled prefill (128 ms
-   against sage2_8b's 133).
-3. ``sage2_8b`` — 715 / 462 (ΔS adds a term per score).
-4. ``fmha_int8`` — 647 / 420 (UINT8 P has no Triton dot: P−128 plus a 128·colsum(V)
-   correction).
-5. ``flash`` — 490 / 447, 16-bit and nearly exact: the presets below are slower and less
-   accurate on the H100, so ``tune`` reaches them only with a measured ranking that puts
-   them first.
-6. ``sage2_4b`` — 379 / 294: the H100 has no INT4 tensor cores, so packed INT4 is unpacked
-   into the INT8 dot (it wins on GPUs with INT4 MMA: measure a ranking there).
-7. ``turbo`` — 373 / 219: the SAS polynomial exp costs ~8 issue slots against one.
+1. ``fp8`` (FP8 for both GEMMs).
+2. ``int_flash``: the fastest 8-bit preset in the compiled prefill.
+3. ``sage2_8b`` (ΔS adds a term per score).
+4. ``fmha_int8`` (UINT8 P has no Triton dot: P−128 plus a 128·colsum(V) correction).
+5. ``flash``, 16-bit and nearly exact: the presets below are slower and less accurate on
+   the H100, so ``tune`` reaches them only with a measured ranking that puts them first.
+6. ``sage2_4b``: the H100 has no INT4 tensor cores, so packed INT4 is unpacked into the
+   INT8 dot (it wins on GPUs with INT4 MMA: measure a ranking there).
+7. ``turbo``: the SAS polynomial exp costs several issue slots against one.
 
 **Algorithm.**
 
@@ -56,12 +53,12 @@ import torch
 from ..errors import QattnError
 from ..policy import load_policy
 from ..presets import PRESET_NAMES, QUANTIZED_PRESETS
-from .calibrate import static_options
+from ..scales import static_options
 from .site_eval import Evaluator, RunResult, format_e2e, isolated_site_metrics
 
 DEFAULT_RANKING: tuple[str, ...] = ("fp8", "int_flash", "sage2_8b", "fmha_int8", "flash", "sage2_4b", "turbo")
 """Presets fastest first (module docstring: measured on the H100)."""
-DEFAULT_RANKING_SOURCE = "default: measured on the H100 (benchmarks/RESULTS.md, session 28)"
+DEFAULT_RANKING_SOURCE = "default: measured on the H100 (docs/performance.md)"
 LEAVE_ALONE = "none"
 COS_SLACK = 1e-12
 """Float64 rounding allowance when a cosine is compared with the budget (so that an output

@@ -11,9 +11,10 @@ Public API (same semantics as :func:`qattn_compile.reference.reference_attention
 
 Modules: :mod:`.attention` (the one kernel template), :mod:`.quantize` (quantizer/smoothing
 kernels), :mod:`.mask` (per-tile mask summary), :mod:`.heuristics` (the launch table),
-:mod:`.autotune` (timed tile choice with an on-disk cache), :mod:`.decode` (FlashQ decode),
-:mod:`.launch` (per-preset operand preparation and the launcher), :mod:`.primitives`
-(shared Triton helpers). CPU tensors run under ``TRITON_INTERPRET=1`` (tests only).
+:mod:`.autotune` (timed tile choice with an on-disk cache), :mod:`.layout` (where the output
+is stored), :mod:`.launch` (per-preset operand preparation and the launcher),
+:mod:`.primitives` (shared Triton helpers). The FlashQ decode kernel sits with its cache
+(:mod:`qattn_compile.kvcache.kernel`). CPU tensors run under ``TRITON_INTERPRET=1`` (tests only).
 """
 
 from .launch import PreparedAttention, kernel_attention, prepare_attention, supports

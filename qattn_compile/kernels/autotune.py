@@ -14,7 +14,7 @@ returns the fastest, which the compiled code then carries as constants. Eagerly 
 the first call of a new :class:`TuneKey`. What is timed is the attention kernel alone (the
 quantizers do not depend on the tiles), on inputs laid out as the call's are, as CUDA-graph
 replays with a cold L2 (:func:`time_call`: a plain timing of a short kernel measures
-Python's launch cost, which favoured pointer loads over TMA by 2-3x at N=1K on the H100).
+Python's launch cost, which favoured pointer loads over TMA at short lengths).
 A candidate that does not fit the
 GPU (Triton's ``OutOfResources``) is skipped.
 
@@ -140,7 +140,7 @@ class TuneKey:
 
 
 # Cached, as _environment: every eager call with ``autotune`` builds its key and looks it up
-# (~35 µs of JSON per call uncached). Options and keys are frozen, hence hashable.
+# (the JSON costs an eager call measurable time uncached). Options and keys are frozen, hence hashable.
 @functools.lru_cache(maxsize=256)
 def _keyed_options(options) -> str:
     """``options`` as sorted JSON without :data:`_NOT_KEYED`."""

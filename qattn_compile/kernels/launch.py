@@ -21,7 +21,6 @@ from .. import _compat
 from ..blocks import (SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes, int_flash_group_sizes,
                       int_flash_v_group)
 from ..lowering.quantize import decomposed as lowered_decomposed
-from ..ops import heads_inside_tokens, output_buffer
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
 from . import attention as ak
@@ -39,8 +38,8 @@ from .heuristics import (
     padded_dim,
     qk_block_dim,
 )
+from .layout import heads_inside_tokens, output_buffer
 from .mask import MaskPlan, plan_mask
-from .tiers import Tier2Config, tier2_config, tier2_refusal
 from .primitives import (ensure_tma_allocator, interpreted, launch_takes_register_cap, launcher,
                          tma_compatible)
 from .quantize import (
@@ -53,6 +52,7 @@ from .quantize import (
     quantize_int_smoothed,
     smooth_mean,
 )
+from .tiers import Tier2Config, tier2_config, tier2_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -666,7 +666,7 @@ def kernel_attention(
     ``static_scales``: fmha_int8's calibrated α ``{"q", "k", "v"[, "o"]}`` for
     ``scales: static`` (as :func:`qattn_compile.reference.reference_attention`).
     ``output_like_q``: store the output ``[B, Lq, Hq, Dv]`` when q stores its heads inside
-    each token (:func:`qattn_compile.ops.output_buffer`), except fmha_int8's re-quantized
+    each token (:func:`.layout.output_buffer`), except fmha_int8's re-quantized
     output (``quantize_output``) and an empty one, which come back contiguous (the compiled
     op copies them into q's layout); False: always contiguous.
     """

@@ -164,9 +164,8 @@ def in_v_key_order(p):
     """P ``[M, N]`` (``N`` a multiple of 32) with its columns in the order of the 8-bit V's
     stored tokens: column ``c`` of the result is the token that :func:`v_column_of_token`
     stores at ``c``. A reshape and a permutation that Triton lowers without moving data
-    between lanes when ``p`` is in a Hopper MMA accumulator layout (sm_90 SASS compiled on
-    the CPU machine, session 9: 8 of 16 shuffles and 8 of 16 byte permutes per 64×64 tile
-    gone)."""
+    between lanes when ``p`` is in a Hopper MMA accumulator layout (sm_90 SASS: half the
+    shuffles and byte permutes of a 64×64 tile gone)."""
     M: tl.constexpr = p.shape[0]
     N: tl.constexpr = p.shape[1]
     # token offset bits (h, j, t, e) = (16, 8, 2·2, 1) -> column bits (h, t, j, e)

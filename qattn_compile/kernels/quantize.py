@@ -364,9 +364,8 @@ def _quantize_kv_kernel(
 ):
     """K row-major and V transposed (the 8-bit V) in one launch, scales per in-tile group of
     ``GROUP`` tokens, no smoothing (grid ``(cdiv(L, BLOCK_T) + cdiv(L_pad, BLOCK_T), B*H)``:
-    K's tiles, then V's). K and V have one shape ``[B, H, L, D]``; two short passes of a few
-    µs each are latency-bound, one launch of twice the programs is not (benchmarks/NOTES.md,
-    session 23).
+    K's tiles, then V's). K and V have one shape ``[B, H, L, D]``; two short passes are
+    latency-bound, one launch of twice the programs is not (docs/performance.md).
     """
     n_tiles = tl.cdiv(L, BLOCK_T)
     pid = tl.program_id(0)
@@ -468,9 +467,7 @@ def _stats_chunk(heads: int, length: int, group: int) -> int:
     ``length`` tokens in groups of ``group``: the longest of :data:`_STATS_CHUNKS` that still
     makes :data:`_MIN_PROGRAMS` programs (else the shortest), at most the group rounded up to
     a power of two. Longer chunks spread each program's fixed work (three cross-warp
-    reductions, three stores) over more loads; too few programs leave SMs idle. On the H100
-    this took the pass from 292 to 231 µs at [4, 32, 16K, 128] and from 42 to 34 µs at
-    [1, 8, 32K, 64] (benchmarks/RESULTS.md, session 14)."""
+    reductions, three stores) over more loads; too few programs leave SMs idle."""
     n_groups = num_groups(length, group)
     for chunk in _STATS_CHUNKS:
         if n_groups * triton.cdiv(max(group, 1), chunk) * heads >= _MIN_PROGRAMS:
@@ -583,9 +580,8 @@ def _launch_quantize(
         mean_mode = _MEAN_IN_TILE
     elif not transposed and (mean_group % block_t == 0 or mean_group >= length):
         # Every tile's tokens share one mean row (K's mean over all tokens): one [D] load per
-        # program instead of a [BLOCK_T, D] gather of the same row (H100, K at [4, 32, 16K,
-        # 128]: 426 -> 291 µs). The transposed 8-bit V (smooth_v) keeps the gather: there the
-        # row load was slower (630 -> 657 µs; benchmarks/RESULTS.md, session 14).
+        # program instead of a [BLOCK_T, D] gather of the same row, faster for K. The
+        # transposed 8-bit V (smooth_v) keeps the gather: there the row load was slower.
         mean_mode = _MEAN_READ_TILE_ROW
     else:
         mean_mode = _MEAN_READ
@@ -712,7 +708,7 @@ def _fp8_decomposed(x: Tensor, group: int) -> bool:
     kernel) and for groups larger than a tile, i.e. per tensor (Inductor's split reduction
     beat :func:`token_stats`); other groups that fit a tile stay one pass of
     :func:`_quantize_kernel`, which Inductor's reduction kernel plus rounding kernel lost to
-    (the 1K block, H100: benchmarks/NOTES.md, session 22)."""
+    in the 1K block (docs/performance.md)."""
     return lowered.decomposed(x) and (group == 1 or not _fits_in_tile(group))
 
 

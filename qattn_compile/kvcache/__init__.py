@@ -5,6 +5,7 @@
 - :mod:`.cache`: :class:`FlashQCache`, a ``transformers`` cache (static shapes, compile-friendly);
 - :mod:`.attention`: the ``qattn::flashq_decode`` op and the ``qattn_kv`` attention
   implementation that reads the packed cache;
+- :mod:`.kernel`: the split-K Triton decode kernel the op runs on CUDA;
 - :mod:`.memory`: KV bytes per token against a bf16 cache.
 
 Importing this package registers ``qattn_kv`` with transformers (:func:`register`).

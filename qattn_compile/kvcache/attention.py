@@ -10,7 +10,7 @@ heads2, length, attn_mask, scale)``
   ``[B, Hq, Lq, >= length]``; causality among the newest ``Lq`` tokens is implied;
 - scale: softmax scale (``D ** -0.5`` when None). Returns ``[B, Hq, Lq, D]`` in q's dtype.
 
-On CUDA it runs the split-K Triton kernel (:mod:`qattn_compile.kernels.decode`), which reads
+On CUDA it runs the split-K Triton kernel (:mod:`.kernel`), which reads
 the packed INT4/INT2 blocks and the INT8 buffer and dequantizes in registers; elsewhere
 :func:`.flashq.reference_decode`. It is a ``custom_op`` with a fake implementation, so dynamo
 traces it without a graph break and Inductor calls it as an opaque kernel.
@@ -60,7 +60,7 @@ def flashq_decode(
     """Decode attention over a FlashQ cache (see the module docstring for shapes)."""
     tensors = FlashQTensors(codes4, codes2, step, lo, scale8, buf, buf_scale, heads4, heads2, length)
     if q.device.type == "cuda":
-        from ..kernels.decode import flashq_decode_triton
+        from .kernel import flashq_decode_triton  # Triton: loaded only where it runs
 
         return flashq_decode_triton(q, tensors, attn_mask, scale)
     return reference_decode(q, tensors, attn_mask, scale).to(q.dtype).contiguous()

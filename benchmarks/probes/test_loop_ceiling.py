@@ -1,4 +1,4 @@
-"""benchmarks/loop_ceiling.py's bare attention loop computes attention (Triton interpreter on
+"""benchmarks/probes/loop_ceiling.py's bare attention loop computes attention (Triton interpreter on
 CPU, 2 heads; the benchmark itself times it on the H100). A ceiling measured on a loop that
 computed something else would say nothing about our kernel."""
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 @pytest.fixture
 def loop_ceiling(monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loop_ceiling.py"
+    path = Path(__file__).resolve().parent / "loop_ceiling.py"
     spec = importlib.util.spec_from_file_location("loop_ceiling", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

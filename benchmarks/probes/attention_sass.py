@@ -3,7 +3,7 @@ memory, and instructions per key tile by class. No GPU needed.
 
 Run on the CPU machine from the repository root (about 3 s per variant)::
 
-    .venv/bin/python benchmarks/attention_sass.py [--presets int_flash sage2_8b fp8] \\
+    .venv/bin/python benchmarks/probes/attention_sass.py [--presets int_flash sage2_8b fp8] \\
         [--dim 128] [--causal] [--traced] [--options '{"k_granularity": "block"}'] [--dump DIR] \\
         [NAME='{"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "tma": true}' ...]
 

@@ -1,6 +1,6 @@
 """Where the time of one eager ``qattn_compile.attention`` call goes (torch.profiler).
 
-    PYTHONPATH=. python3 benchmarks/profile_call.py --preset int_flash --seq 1024 16384
+    PYTHONPATH=. python3 benchmarks/probes/profile_call.py --preset int_flash --seq 1024 16384
 
 Prints, per sequence length, the wall time of a call, the summed GPU kernel time, and the
 kernels sorted by GPU time — the gap between wall and GPU time is host overhead.

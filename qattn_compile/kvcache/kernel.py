@@ -12,13 +12,12 @@ is read on the device, so the launch never syncs with the host (CUDA-graph safe)
 split count depends only on the capacity (:func:`default_splits`). A split's first tile does
 not depend on the length, so its first loads (codes, block metadata, and the queries of a
 single-format cache, whose head map is the identity) are issued before the length arrives
-(H100, against even contiguous shares whose first tile needs the length: INT4 B=1 × 32K
-0.0329 → 0.0320 ms, B=1 × 128K 0.0800 → 0.0767). Each program merges its row
+(faster than even contiguous shares, whose first tile needs the length). Each program merges its row
 groups and writes one partial ``(m, l, acc)``; :func:`_combine_kernel` loads the
 ``splits + 1`` partials of a (batch, kv head) at once and merges them. The head slot is the
 slowest grid axis, so a 2/4 mix's INT4 programs are dispatched before its INT2 ones and an SM
-runs one format's loop at a time: with the slot fastest, the two ~30 KB loops alternated on
-every SM (H100, B=8 × 32K, one-warp programs: 0.201 → 0.161 ms).
+runs one format's loop at a time: with the slot fastest, the two loops alternated on every SM,
+which was slower.
 
 Tiles of one or several blocks, one row group per block. A tensor-core dot needs 16 rows
 and a query group has few (``GL = 4`` for GQA 32/8 at ``Lq = 1``), so a loop iteration can
@@ -51,8 +50,8 @@ halves, which are then read as fp16. ``codes="subnormal"`` masks each code in pl
 its byte, ``w & 0x00F000F0`` (INT4; after one ``w >> 8`` for the high bytes), and reads the
 bits as the fp16 subnormal ``code·2^f·2⁻²⁴``, ``f`` the code's bit offset in its byte:
 exact, one op per two codes, and ``2^-f`` is folded into the column's ``step``, ``2²⁴`` into
-``s8`` (H100, against shifting every code down to bit 0: 17 % fewer instructions per tile,
-INT4 0.192 → 0.165–0.174 ms at B=8 × 32K). ``codes="biased"`` shifts the codes down, ors in
+``s8`` (fewer instructions per tile, and faster, than shifting every code down to bit 0).
+``codes="biased"`` shifts the codes down, ors in
 the exponent of 1024 and subtracts ``1024 + 2^(bits-1)`` in fp16 (exact, centered codes),
 for a GPU whose tensor cores would flush subnormal inputs. Rows that are not whole
 int32 words (head dims not a multiple of 8 for INT4, 16 for INT2) are assembled from byte
@@ -72,15 +71,10 @@ Token rows are clamped per block (a ragged last tile re-reads the last block), s
 sees 64 consecutive rows, and the packed row stride is a compile-time constant.
 
 Bytes read per token and kv head (D = 128): INT4 64 of codes + 4 of block metadata for K and
-as much for V (136), INT2 72, against 512 for a bf16 cache. Measured (H100, torch 2.11,
-Triton 3.6, CUDA graphs, GQA 32/8; session 8, benchmarks/RESULTS.md) against SDPA cuDNN on a
-bf16 cache (0.365 ms at B=8 × 32K, 0.193 at B=1 × 128K, 0.064 at B=1 × 32K; one call per
-graph): INT4 0.138 ms (2.65×; ~2.1 TB/s of the 0.29 GB it reads), 0.078 (2.5×) and 0.0305
-(2.1×); INT2 0.108 (3.4×), 0.060 (3.2×) and 0.0256 (2.5×); the 2/4 mix 0.128 (2.9×), 0.086
-(2.25×) and 0.0298 (2.1×). At B=1 × 32K one wave of one-warp programs of 4 tiles each, plus
-the merge kernel (~3 µs) and the graph's launch. The kernel still reads its bytes below HBM's
-rate: with 8 resident one-warp programs per SM (the register file) each program waits on its
-loads and its ~1550–1700 warp instructions per 64-token tile in turn (benchmarks/NOTES.md).
+as much for V (136), INT2 72, against 512 for a bf16 cache: that ratio is the speed-up over
+SDPA on a bf16 cache to aim at (what it reaches: docs/performance.md). The kernel still reads
+its bytes below HBM's rate: with 8 resident one-warp programs per SM (the register file) each
+program waits on its loads and its instructions per 64-token tile in turn.
 """
 
 from __future__ import annotations
@@ -95,8 +89,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..blocks import KV_CACHE_BLOCK
-from ..kvcache.flashq import check_decode_args
-from .primitives import additive_bias_log2, interpreted
+from ..kernels.primitives import additive_bias_log2, interpreted
+from .flashq import check_decode_args
 
 _LOG2E = 1.4426950408889634
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
@@ -107,10 +101,8 @@ WAVES = 2
 """:func:`default_splits` sizes the grid to this many whole waves of resident programs.
 Per-program costs (the first tiles' loads, the row-group merge and the partial's store, the
 partials the merge kernel reads) are paid once per program, so fewer, longer programs win,
-and a partly filled last wave idles SMs. H100, B=8 × 32K, INT4 / 2/4 mix / INT2 (one run):
-1 wave 0.154–0.163 / 0.170–0.173 / 0.130–0.134 ms, 2 waves 0.149 / 0.146 / 0.124, 4 waves
-0.165–0.175 / 0.160–0.162 / 0.142–0.143, 1.3 and 1.5 waves 0.180–0.198 / 0.183–0.207 /
-0.152–0.155."""
+and a partly filled last wave idles SMs; two whole waves measured fastest for every format
+(docs/performance.md)."""
 MIN_TILES_PER_SPLIT = 4
 """A split gets at least this many tiles of the capacity (each program first loads its
 queries and finally merges and stores its state: a few tiles' worth of latency)."""
@@ -118,7 +110,7 @@ MAX_SPLITS = 128
 """Split partials per (batch, kv head), all of which the merge loads at once (beside the
 buffer's). A power of two: a 32K cache of 64-token tiles (512) then splits into 4 tiles each,
 where 127 splits gave four of them 5, and a one-wave grid lasts as long as its longest
-program (H100, B=1 × 32K: decode kernel 22.6 → 20.8 µs INT4, 18.8 → 16.4 µs INT2)."""
+program."""
 _DEFAULT_SMS = 132  # H100 SXM; what the heuristic assumes for tensors not on a CUDA device
 BUFFER_N = tl.constexpr(16)
 """INT8 buffer tokens per row group and loop iteration (small: the buffer part's registers
@@ -160,13 +152,9 @@ class DecodeConfig:
     Triton 3.6, with the code tiles built in the dots' operand layout): 1 block per
     iteration, 1 stage, the warps of :func:`default_warps` (one warp for GQA 32/8 at
     ``Lq = 1``), and the splits of :func:`default_splits` for them (two waves), for every
-    format. At B=8 × 32K (the sweep's 66 splits; today's default gives 32), INT2 1 warp × 1 block 0.151 ms against 2 warps × 2
-    blocks 0.181; INT4 0.183 against 0.194; the 2/4 mix (head slot the slowest grid axis)
-    0.161 against 0.251 for 4 warps × 2 blocks; capping the registers (``maxnreg`` 200, 168
-    or 128, for more programs per SM) 1.03–1.3× slower. Stages, in one run at B=1 × 32K
-    (INT4 / mix / INT2, one call per graph): 1 stage 0.0334 / 0.0302 / 0.0259 ms, 2 stages
-    0.0347 / 0.0352 / 0.0288 (the value codes then cross shared memory in 4-byte async
-    copies, and the kernel holds 255 registers instead of 208–242); 3 stages slower still.
+    format. More warps or blocks per iteration, capped registers (for more programs per SM)
+    and more stages (the value codes then cross shared memory in 4-byte async copies, and the
+    kernel holds 255 registers) were slower (docs/performance.md).
     """
 
     splits: int | None = None
@@ -469,8 +457,8 @@ def _compressed_part(
 
     Each tile's step/lo are loaded one iteration ahead and carried in registers: Triton does
     not pipeline these loads (one byte per thread, narrower than an async copy), and loaded
-    where they are used, their latency was exposed twice per tile (H100: 0.274 → 0.253 ms at
-    B=8 × 32K INT4, 0.336 → 0.244 INT2, whose register count also drops to 3 programs/SM).
+    where they are used, their latency was exposed twice per tile (carried, they are faster,
+    and INT2 also needs fewer registers).
 
     The codes are loaded into registers where the tile starts (keys) and after its softmax
     (values). ``CARRY_KEYS`` requests the next tile's key words right after this tile's score
@@ -480,9 +468,8 @@ def _compressed_part(
     of a tile also asks the L1 cache for this tile's value rows, read after the softmax, and
     for the next tile's block metadata, read at the end of the tile; ``LINES`` is a tile's
     128-byte lines of codes, 0 for no prefetch instruction at all (the interpreter). A
-    prefetch holds no register. H100, one call per graph, ms, without → with the L1 requests:
-    B=1 × 32K INT4 0.0321 → 0.0309; B=1 × 128K the mix 0.0908 → 0.0864, INT2 0.0627 →
-    0.0605, but INT4 (``l2``) 0.0771 → 0.0791; B=8 × 32K INT2 0.1111 → 0.1079, INT4 equal.
+    prefetch holds no register; the L1 requests made every cache measured faster or level,
+    except INT4 with ``l2`` at long contexts, slightly slower.
     """
     BLOCK_M: tl.constexpr = BPI * GLP
     TILE: tl.constexpr = BPI * BLOCK_N
@@ -803,19 +790,15 @@ def default_prefetch(int4_heads: int, int2_heads: int, head_dim: int, tiles_per_
     ``tiles_per_split`` tiles of the capacity.
 
     - ``l2`` for a single-format cache whose splits have at least
-      :data:`L2_PREFETCH_MIN_TILES` tiles. H100, B=8 × 32K (16 tiles per split), against the
-      best other mode, ms: INT4 0.1480 → 0.1376, INT2 0.1188 → 0.1142; B=1 × 128K 0.0832 →
-      0.0801 and 0.0674 → 0.0643. With 4 tiles per split (B=1 × 32K) INT4 lost 3 % (0.0328 →
-      0.0338): the first tile's loads then compete with the second tile's prefetch, and
+      :data:`L2_PREFETCH_MIN_TILES` tiles, where it was the fastest mode. With few tiles per
+      split it lost: the first tile's loads then compete with the second tile's prefetch, and
       there are few tiles to win back.
     - ``keys`` for an INT4-only cache with rows of 16 words (head dims 72–128), where the
-      carried words keep the layout :func:`_key_tile` reads: B=1 × 32K 0.0336 → 0.0328.
-      With 8-word rows (INT2 at D=128, INT4 at D=64) the carried words take another layout,
-      which Triton converts with 50–130 more shuffles per tile (INT2 5–15 % slower); at
-      D=256 they add spills.
+      carried words keep the layout :func:`_key_tile` reads. With 8-word rows (INT2 at
+      D=128, INT4 at D=64) the carried words take another layout, which Triton converts with
+      more shuffles per tile (slower); at D=256 they add spills.
     - ``none`` for the 2/4 mix: its kernel holds both loops, and with either prefetch it got
-      slower (B=1 × 32K 0.0304 → 0.0338 with ``l2``, 0.0308 → 0.0315 with ``keys``, whose
-      INT4 loop then needs 255 registers and spills; B=1 × 128K 0.0940 → 0.0987 with ``l2``).
+      slower (with ``keys`` its INT4 loop needs 255 registers and spills).
     """
     if int4_heads and int2_heads:
         return "none"

@@ -2,9 +2,9 @@
 
 On the GPU machine, from each tree's root (its ``qattn_compile`` first on ``PYTHONPATH``)::
 
-    PYTHONPATH=.:/tmp/site python3 <this repo>/benchmarks/kernel_ab.py run --arm NAME \\
+    PYTHONPATH=.:/tmp/site python3 <this repo>/benchmarks/probes/kernel_ab.py run --arm NAME \\
         --out ab_NAME_1.json [--n 16384] [--presets int_flash sage2_8b] [--dims 64 128]
-    python3 benchmarks/kernel_ab.py table ab_*.json
+    python3 benchmarks/probes/kernel_ab.py table ab_*.json
 
 ``run`` prepares the operands once per shape (quantizers outside the timing) and times
 ``prepare_attention(...).run()`` with the table's tile for an eager launch (``capped``: a

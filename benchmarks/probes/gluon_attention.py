@@ -2,11 +2,11 @@
 
 Run on the GPU machine from the repository root::
 
-    PYTHONPATH=. python3 benchmarks/gluon_attention.py --out $OUT/gluon_attention.json
+    PYTHONPATH=. python3 benchmarks/probes/gluon_attention.py --out $OUT/gluon_attention.json
 
-What it is for: the step after ``benchmarks/loop_ceiling.py``. Triton's automatic pipeline caps
+What it is for: the step after ``loop_ceiling.py`` (beside it). Triton's automatic pipeline caps
 the simplest 8-bit loop near 800 TOPS at D=128 on the H100, and its automatic warp
-specialization does not help (benchmarks/NOTES.md, session 15). This loop is written in Gluon
+specialization does not help (docs/archive/NOTES.md, session 15). This loop is written in Gluon
 (``triton.experimental.gluon``, Triton's explicit-layout dialect) with FlashAttention-3's
 structure: one program holds 128 query rows as two consumer warpgroups of 64 rows (the default
 partition and a 4-warp worker), which share a ring of ``--stages`` K/V tiles that a 1-warp
@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-import loop_ceiling  # benchmarks/, the script's own directory: inputs, reference, B·H
+import loop_ceiling  # benchmarks/probes/, the script's own directory: inputs, reference, B·H
 from loop_ceiling import HEADS, LOG2_127, LOG2_448, LOG2E
 
 ROWS = 64  # query rows per consumer warpgroup (two per program)

@@ -3,11 +3,11 @@ memory, and what its loops spend their instructions on. No GPU needed.
 
 Run on the CPU machine from the repository root (about 10 s per variant)::
 
-    .venv/bin/python benchmarks/decode_sass.py [--format int4|int2|mix] [--dump DIR] \\
+    .venv/bin/python benchmarks/probes/decode_sass.py [--format int4|int2|mix] [--dump DIR] \\
         [NAME='{"blocks_per_iter": 2, "num_warps": 2}' ...]
 
-Each ``NAME=JSON`` is a :class:`~qattn_compile.kernels.decode.DecodeConfig` (none: the
-default). The launch of :func:`~qattn_compile.kernels.decode.flashq_decode_triton` for the
+Each ``NAME=JSON`` is a :class:`~qattn_compile.kvcache.kernel.DecodeConfig` (none: the
+default). The launch of :func:`~qattn_compile.kvcache.kernel.flashq_decode_triton` for the
 benchmark's head layout (GQA 32/8, D=128, bf16) is intercepted, and its arguments are
 specialised the way Triton's JIT does (integer 1 → constexpr, divisibility by 16). The kernel
 is then compiled for ``GPUTarget("cuda", 90, 32)`` with the ptxas/nvdisasm bundled in the
@@ -26,7 +26,7 @@ This reads Triton internals (the JIT's binder, ``triton.compile`` on an ``ASTSou
 Written against Triton 3.9; another version may need this file adapted. The GPU machine runs
 Triton 3.6, so counts there can differ a little (session 6: 1593 against the GPU's own 1585).
 What it is good for: seeing whether a change to the kernel removes shared-memory round trips
-or register moves before spending device time on it (benchmarks/NOTES.md, session 5). What it
+or register moves before spending device time on it (docs/archive/NOTES.md, session 5). What it
 is not: a timing model. A variant with 22 % fewer instructions and 50 fewer registers ran
 1.25× slower because it put two shared-memory round trips on the chain from scores to P·V
 (NOTES, session 6); for where a one-warp program waits, profile on the GPU (Nsight Compute's
@@ -52,7 +52,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-import qattn_compile.kernels.decode as decode  # noqa: E402
+import qattn_compile.kvcache.kernel as decode  # noqa: E402
 from qattn_compile.kvcache import FlashQLayer  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
