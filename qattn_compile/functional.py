@@ -9,6 +9,7 @@ returns ``[..., Hq, Lq, Dv]``. Bad arguments raise the exception types SDPA rais
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any
@@ -19,9 +20,12 @@ from torch import Tensor
 
 from . import ops
 from .errors import AttentionInputError
-from .presets import resolve_options
+from .presets import PRESET_OPTIONS, resolve_options
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                  "enable_gqa")
+"""The arguments of ``F.scaled_dot_product_attention``, in its order: :func:`attention`'s."""
 
 
 def _is_float_like(x: Any) -> bool:
@@ -46,6 +50,18 @@ def _check_argument_types(arguments: dict[str, Any]) -> None:
             shown = kind.__qualname__ if kind.__module__ == "builtins" else \
                 f"{kind.__module__}.{kind.__qualname__}"
             raise TypeError(f"qattn attention: argument '{name}' must be {wanted}, not {shown}")
+
+
+def _check_misspelled_arguments(options: dict[str, Any]) -> None:
+    """TypeError, as Python raises for an unexpected keyword, for an option of no preset's
+    that looks like a misspelled SDPA argument (``is_casual=True``): without it, the typo
+    would read as an unknown option of the preset."""
+    options_of_presets = {name for cls in PRESET_OPTIONS.values() for name in cls.model_fields}
+    for name in options:
+        close = difflib.get_close_matches(name, SDPA_ARGUMENTS, n=1)
+        if close and name not in options_of_presets:  # fmha_int8's `scales` is no typo
+            raise TypeError(f"qattn attention got an unexpected keyword argument {name!r} "
+                            f"(did you mean {close[0]!r}?)")
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, enable_gqa: bool):
@@ -177,6 +193,7 @@ def attention(
     _check_argument_types(dict(query=query, key=key, value=value, attn_mask=attn_mask,
                                dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                enable_gqa=enable_gqa))
+    _check_misspelled_arguments(options)
     resolved = resolve_options(preset, options)
     q, k, v = query, key, value
     _check_inputs(q, k, v, attn_mask, enable_gqa)

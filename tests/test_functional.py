@@ -228,15 +228,12 @@ def test_static_scales_are_not_negative_and_calibration_files_need_the_backend()
 
 # ----------------------------------------------------------------------------- SDPA's arguments
 
-SDPA_ARGUMENTS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                  "enable_gqa"]
-
-
 def test_sdpa_arguments_by_name_as_diffusers_passes_them():
     """``functools.partial(qattn_compile.attention, preset=...)`` replaces SDPA in code that
     names every argument; the positional order is SDPA's."""
     params = list(inspect.signature(qattn_compile.attention).parameters.values())
-    assert [p.name for p in params[:8]] == SDPA_ARGUMENTS
+    assert [p.name for p in params[:8]] == ["query", "key", "value", "attn_mask", "dropout_p",
+                                            "is_causal", "scale", "enable_gqa"]
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:8])
     assert params[8].name == "preset" and params[8].kind is inspect.Parameter.KEYWORD_ONLY
     sdpa = functools.partial(qattn_compile.attention, preset="flash")
@@ -247,6 +244,21 @@ def test_sdpa_arguments_by_name_as_diffusers_passes_them():
     out = sdpa(**named)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(**named), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(sdpa(*named.values()), out)
+
+
+@pytest.mark.parametrize("typo, meant", [("is_casual", "is_causal"), ("atn_mask", "attn_mask"),
+                                         ("enable_gq", "enable_gqa")])
+def test_a_misspelled_sdpa_argument_is_a_type_error_not_an_unknown_option(typo, meant):
+    q, k, v = _qkv(hkv=4)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        F.scaled_dot_product_attention(q, k, v, **{typo: True})
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{typo}' "
+                                        f"\\(did you mean '{meant}'\\?\\)"):
+        qattn_compile.attention(q, k, v, **{typo: True}, preset="int_flash")
+    with pytest.raises(qattn_compile.PolicyError, match="unknown key `smooth`"):
+        qattn_compile.attention(q, k, v, smooth=True, preset="int_flash")  # an option's typo
+    with pytest.raises(qattn_compile.PolicyError, match="unknown key `scales`"):
+        qattn_compile.attention(q, k, v, scales="static", preset="int_flash")  # fmha_int8's
 
 
 def _np_bool():
