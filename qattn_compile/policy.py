@@ -565,14 +565,15 @@ class Policy(BaseModel):
     def check_unmatched(self, matched_indices: Collection[int], warned: Collection[str] = (),
                         sites: Mapping[str, str | None] | None = None) -> list[str]:
         """Warn about every rule that matched no site (except the descriptions in ``warned``,
-        already given); with ``strict: true`` raise instead. ``sites`` as in
-        :meth:`unmatched_rules`.
+        already given, whatever closest sites they named); with ``strict: true`` raise
+        instead. ``sites`` as in :meth:`unmatched_rules`.
 
         Returns the descriptions (empty when every rule matched something).
         """
         unmatched = self.unmatched_rules(matched_indices, sites)
+        given = {text.split(_HINT_SEPARATOR)[0] for text in warned}
         for text in unmatched:
-            if text not in warned:
+            if text.split(_HINT_SEPARATOR)[0] not in given:
                 logger.warning("policy %s: %s", self.source, text)
         if unmatched and self.strict:
             raise PolicyError(
@@ -677,6 +678,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 
 
+_HINT_SEPARATOR = "; closest "
+"""What starts the closest-names hint of an unmatched rule's line."""
+
+
 class _NameIndex:
     """Site (or class) names, to find those closest to a pattern that matches none of them.
 
@@ -722,7 +727,9 @@ class _NameIndex:
     def hint(self, what: str, pattern: str | None) -> str:
         """``"; closest sites: `a`, `b`"``, or "" when there is nothing to say."""
         close = self.closest(pattern) if pattern is not None and self.names else []
-        return f"; closest {what}: " + ", ".join(f"`{_clip(n)}`" for n in close) if close else ""
+        if not close:
+            return ""
+        return f"{_HINT_SEPARATOR}{what}: " + ", ".join(f"`{_clip(name)}`" for name in close)
 
 
 def _literal_text(pattern: str) -> str:

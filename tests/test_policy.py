@@ -699,7 +699,7 @@ def test_an_unmatched_rule_names_the_closest_sites():
           - {match: "zzzz", preset: flash}
     """)
     lines = p.unmatched_rules(set(), LLAMA_SITES)
-    first_three = "`model.layers.0.self_attn`, `model.layers.1.self_attn`, `model.layers.2.self_attn`"
+    first_three = ", ".join(f"`model.layers.{i}.self_attn`" for i in range(3))
     assert lines == [
         f"rules[0] (`*self_atn`) matched no site; closest sites: {first_three}",
         f"rules[1] (`re:.*\\.self_atn`) matched no site; closest sites: {first_three}",
@@ -736,6 +736,11 @@ def test_check_unmatched_warns_with_the_closest_sites(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "policy <policy text>: rules[0] (`*self_atn`) matched no site; closest sites: "
         "`m.layers.0.self_attn`"]
+    warned = [r.getMessage().split(": ", 1)[1] for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.policy"):  # a later graph
+        p.check_unmatched(set(), warned, sites={"m.layers.9.self_attn": "A"})
+    assert caplog.records == []  # the rule was warned about, with other closest sites
 
 
 # ----------------------------------------------------------------------------- round trip
