@@ -3,8 +3,9 @@
 For users who do not compile: ``qattn_compile.attention(query, key, value, ...,
 preset="sage2_8b")`` takes the arguments (by position or by name) and layouts of
 :func:`torch.nn.functional.scaled_dot_product_attention` — query ``[..., Hq, Lq, D]``, key
-``[..., Hkv, Lkv, D]``, value ``[..., Hkv, Lkv, Dv]`` with the same leading (batch) dims — and
-returns ``[..., Hq, Lq, Dv]``. Bad arguments raise the exception types SDPA raises for them.
+``[..., Hkv, Lkv, D]``, value ``[..., Hkv, Lkv, Dv]``, broadcast as SDPA broadcasts them (2-D
+inputs, leading dims, one head) — and returns ``[..., Hq, Lq, Dv]``. Bad arguments raise the
+exception types SDPA raises for them.
 """
 
 from __future__ import annotations
@@ -64,16 +65,15 @@ def _check_misspelled_arguments(options: dict[str, Any]) -> None:
                             f"(did you mean {close[0]!r}?)")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, enable_gqa: bool):
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Raise SDPA's exception types for tensors qattn cannot take (an
     :class:`AttentionInputError`, both RuntimeError and ValueError, where SDPA raises
     RuntimeError); messages name the tensors and their shapes."""
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if t.dim() < 3:
-            raise AttentionInputError(
-                f"Expected {name} to have at least 3 dims ([..., heads, length, head_dim]), "
-                f"got shape {tuple(t.shape)}"
-            )
+    if min(q.dim(), k.dim(), v.dim()) < 2:
+        raise AttentionInputError(
+            f"Expected query, key, and value to all be at least 2 dimensional ([..., length, "
+            f"head_dim]), got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         raise AttentionInputError(
             "Expected query, key, and value to have the same dtype, but got "
@@ -86,65 +86,82 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, ena
             "Expected query, key, and value to have the same device type, but got "
             f"query.device: {q.device} key.device: {k.device} and value.device: {v.device} instead."
         )
-    if not (q.dim() == k.dim() == v.dim()):
-        raise AttentionInputError(
-            f"Expected query, key and value to have the same number of dims, got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
-        raise AttentionInputError(
-            f"Expected query, key and value to have the same batch dims, got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
     if q.shape[-1] != k.shape[-1]:
         raise AttentionInputError(
             f"Expected query and key to have the same head dim (last dim), got "
             f"query {tuple(q.shape)} and key {tuple(k.shape)}"
         )
-    if k.shape[-2] != v.shape[-2] or k.shape[-3] != v.shape[-3]:
+    if k.shape[-2] != v.shape[-2] or k.shape[:-2] != v.shape[:-2]:
         raise AttentionInputError(
-            f"Expected key and value to have the same heads and length, got key "
+            f"Expected key and value to have the same leading dims, heads and length, got key "
             f"{tuple(k.shape)} and value {tuple(v.shape)}"
         )
+
+
+def _broadcast(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as SDPA broadcasts them: ``[*B, Hq, L, D]``, ``[*B, Hkv, S, D]``,
+    ``[*B, Hkv, S, Dv]`` (views) with one leading shape B, a 2-D input read as one head.
+
+    Heads: equal; or, with ``enable_gqa``, Hkv dividing Hq (grouped-query attention); or
+    Hkv = 1, which SDPA broadcasts over the query's heads (served as one group); or Hq = 1,
+    broadcast over the key's heads.
+    """
+    dims = max(q.dim(), k.dim(), v.dim(), 3)
+    q, k, v = (t.reshape((1,) * (dims - t.dim()) + tuple(t.shape)) for t in (q, k, v))
     hq, hkv = q.shape[-3], k.shape[-3]
-    if hq != hkv:
-        if not enable_gqa:
-            raise AttentionInputError(
-                f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
-                "grouped-query attention"
-            )
+    if hq == 1 and hkv > 1 and not enable_gqa:
+        hq = hkv
+    elif hq != hkv and (enable_gqa or hkv == 1):
         if hkv == 0 or hq % hkv:
             raise AttentionInputError(
                 f"Number of heads in key and value must divide the number of heads in query "
                 f"(query {hq}, key/value {hkv})"
             )
-    if attn_mask is not None:
-        if attn_mask.dim() < 2:  # SDPA indexes the mask's last two dims: an IndexError
-            raise IndexError(
-                f"attn_mask must have at least 2 dims ([..., query length, key length]), got "
-                f"shape {tuple(attn_mask.shape)}"
-            )
-        if attn_mask.dim() > q.dim():
-            raise AttentionInputError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} has more dims than query "
-                f"{tuple(q.shape)}"
-            )
-        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-            raise AttentionInputError(
-                f"Expected attn_mask dtype to be bool or floating point, got {attn_mask.dtype}"
-            )
-        target = (*q.shape[:-1], k.shape[-2])
-        try:
-            broadcast = torch.broadcast_shapes(attn_mask.shape, target)
-        except RuntimeError:
-            broadcast = None
-        if broadcast != torch.Size(target):
-            raise AttentionInputError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to the "
-                f"attention scores' shape {target}"
-            )
-        if attn_mask.device != q.device:
-            raise AttentionInputError(f"attn_mask is on {attn_mask.device}, query on {q.device}")
+    elif hq != hkv:
+        raise AttentionInputError(
+            f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
+            "grouped-query attention"
+        )
+    try:
+        lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    except RuntimeError:
+        raise AttentionInputError(
+            f"Expected the leading (batch) dims of query and key/value to broadcast, got "
+            f"shapes {tuple(q.shape)} and {tuple(k.shape)}"
+        ) from None
+    return (q.expand(*lead, hq, *q.shape[-2:]), k.expand(*lead, *k.shape[-3:]),
+            v.expand(*lead, *v.shape[-3:]))
+
+
+def _check_mask(attn_mask: Tensor, q: Tensor, kv_len: int, dims: int) -> None:
+    """SDPA's exception types for a mask that does not fit the scores ``[..., Lq, Lkv]`` of
+    the broadcast ``q`` (:func:`_broadcast`) of an output of ``dims`` dims."""
+    if attn_mask.dim() < 2:  # SDPA indexes the mask's last two dims: an IndexError
+        raise IndexError(
+            f"attn_mask must have at least 2 dims ([..., query length, key length]), got "
+            f"shape {tuple(attn_mask.shape)}"
+        )
+    if attn_mask.dim() > dims:
+        raise AttentionInputError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} has more dims than the output "
+            f"({dims}: those of query, key and value)"
+        )
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise AttentionInputError(
+            f"Expected attn_mask dtype to be bool or floating point, got {attn_mask.dtype}"
+        )
+    target = (*q.shape[:-1], kv_len)
+    try:
+        broadcast = torch.broadcast_shapes(attn_mask.shape, target)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != torch.Size(target):
+        raise AttentionInputError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable to the "
+            f"attention scores' shape {target}"
+        )
+    if attn_mask.device != q.device:
+        raise AttentionInputError(f"attn_mask is on {attn_mask.device}, query on {q.device}")
 
 
 def _to_4d(t: Tensor) -> Tensor:
@@ -195,11 +212,15 @@ def attention(
                                enable_gqa=enable_gqa))
     _check_misspelled_arguments(options)
     resolved = resolve_options(preset, options)
-    q, k, v = query, key, value
-    _check_inputs(q, k, v, attn_mask, enable_gqa)
+    _check_inputs(query, key, value)
+    q, k, v = _broadcast(query, key, value, enable_gqa)
+    dims = max(query.dim(), key.dim(), value.dim())  # of SDPA's output
+    if attn_mask is not None:
+        _check_mask(attn_mask, q, k.shape[-2], dims)
     if preset == "none":
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+            enable_gqa=enable_gqa
         )
     if dropout_p:
         raise ValueError(f"qattn attention is inference-only: dropout_p must be 0, got {dropout_p}")
@@ -214,7 +235,7 @@ def attention(
                 "for training use F.scaled_dot_product_attention (preset='none')")
     out_shape = (*q.shape[:-1], v.shape[-1])
     if math.prod(out_shape) == 0:  # an empty output, as SDPA's: nothing to compute
-        return q.new_zeros(out_shape)
+        return q.new_zeros(out_shape[-dims:])
     # the op (and its support check) take 4-D [B, H, L, D]: leading dims folded into B
     q4, k4, v4 = _to_4d(q), _to_4d(k), _to_4d(v)
     reason = ops.unsupported_reason(q4.shape, k4.shape, v4.shape, q.dtype, q.device, preset,
@@ -233,5 +254,5 @@ def attention(
         preset,
         resolved.to_json(),
     )
-    return out.reshape(*lead, *out.shape[-3:])
+    return out.reshape(*lead, *out.shape[-3:])[(0,) * (3 - dims)]  # 2-D inputs: 2-D output
 

@@ -60,8 +60,9 @@ def test_options_are_validated():
     [
         (lambda q, k, v: (q, k.half(), v), "same dtype"),
         (lambda q, k, v: (q, k[..., :16], v), "same head dim"),
-        (lambda q, k, v: (q, k, v[:, :, :5]), "key and value to have the same heads and length"),
-        (lambda q, k, v: (q[0, 0], k, v), "at least 3 dims"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), "key and value to have the same leading dims, heads "
+                                              "and length"),
+        (lambda q, k, v: (q[0, 0, 0], k, v), "at least 2 dimensional"),
         (lambda q, k, v: (q.int(), k.int(), v.int()), "floating point"),
     ],
 )
@@ -69,6 +70,26 @@ def test_bad_inputs_raise_sdpa_style_errors(change, message):
     q, k, v = change(*_qkv(hkv=4))
     with pytest.raises(ValueError, match=message):
         qattn_compile.attention(q, k, v, preset="int_flash")
+
+
+@pytest.mark.parametrize("q_shape, kv_shape, enable_gqa", [
+    ((19, 32), (23, 32), False),  # 2-D: one head, no batch
+    ((19, 32), (2, 3, 23, 32), False),
+    ((2, 1, 3, 19, 32), (4, 3, 23, 32), False),  # leading dims broadcast
+    ((2, 4, 19, 32), (1, 4, 23, 32), False),
+    ((2, 4, 19, 32), (2, 1, 23, 32), False),  # one key/value head, broadcast over the query's
+    ((2, 1, 19, 32), (2, 4, 23, 32), False),  # one query head, broadcast over the key's
+    ((2, 4, 19, 32), (1, 2, 23, 32), True),
+], ids=str)
+@pytest.mark.parametrize("preset", ["none", "flash", "int_flash"])
+def test_shapes_sdpa_broadcasts_are_broadcast(q_shape, kv_shape, enable_gqa, preset):
+    q, k, v = torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape)
+    mask = torch.rand(19, 23) > 0.3
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    out = qattn_compile.attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa, preset=preset)
+    assert out.shape == ref.shape
+    error = compare(out, ref)["rel_l1"]
+    assert error < (1e-5 if preset != "int_flash" else 0.05), error
 
 
 def test_gqa_needs_enable_gqa_and_divisible_heads():
