@@ -20,3 +20,9 @@ class UnsupportedSiteError(QattnError):
 class ModelSpecError(QattnError, ValueError):
     """A MODEL_SPEC (the model argument of the ``qattn`` commands) that names nothing
     loadable, or a ``module:callable`` that does not return ``(model, example_inputs)``."""
+
+
+class AttentionInputError(QattnError, RuntimeError, ValueError):
+    """Tensors the eager ``qattn_compile.attention`` cannot take (shapes, dtypes, devices,
+    mask): a RuntimeError, as ``F.scaled_dot_product_attention`` raises for them, and a
+    ValueError, as qattn raises for other bad input."""

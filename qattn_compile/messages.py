@@ -8,10 +8,54 @@ same wherever it was written.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import reprlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
+
+
+SHOWN_CHARS = 60
+"""The most characters of a value a message shows."""
+SHOWN_PROBLEMS = 5
+"""The most problems one error message lists (:func:`join_problems`); the rest are counted."""
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``repr`` that looks at a bounded part of a value: a few levels, items and characters,
+    so a huge or deeply nested value (a YAML alias bomb, a policy nested 1000 levels deep)
+    costs no more to show than a small one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict = 4, 8, 8, 6
+        self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 8
+        self.maxstring = self.maxother = SHOWN_CHARS
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 4 * SHOWN_CHARS:  # str() of a huge int is slow, or refused
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_REPR = _BoundedRepr()
+
+
+def short_repr(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters, in time bounded whatever ``value`` is."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def join_problems(sentences: Sequence[str], total: int | None = None, sep: str = "; ") -> str:
+    """The first :data:`SHOWN_PROBLEMS` of ``sentences`` joined with ``sep``, and how many
+    more there are of ``total`` (default ``len(sentences)``): an error with thousands of
+    problems stays a paragraph."""
+    total = len(sentences) if total is None else total
+    text = sep.join(sentences[:SHOWN_PROBLEMS])
+    if total > SHOWN_PROBLEMS:
+        text += f"{sep}and {total - SHOWN_PROBLEMS} more problem(s) ({total} in all)"
+    return text
 
 
 def describe_value(value: Any) -> str:
@@ -20,10 +64,7 @@ def describe_value(value: Any) -> str:
         return "nothing (null)"
     names = {bool: "a boolean", int: "a number", float: "a number", str: "a string",
              list: "a list", tuple: "a list", dict: "a mapping"}
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{names.get(type(value), type(value).__name__)} {text}"
+    return f"{names.get(type(value), type(value).__name__)} {short_repr(value)}"
 
 
 def problem_sentence(

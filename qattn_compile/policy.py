@@ -35,12 +35,14 @@ what is allowed.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
 import logging
 import os
 import re
-from collections.abc import Callable, Collection, Mapping
+import sys
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +66,14 @@ from pydantic import (
 
 from .blocks import KV_CACHE_BLOCK
 from .errors import PolicyError
-from .messages import describe_value, problem_sentence
+from .messages import (
+    SHOWN_CHARS,
+    SHOWN_PROBLEMS,
+    describe_value,
+    join_problems,
+    problem_sentence,
+    short_repr,
+)
 from .presets import PRESET_NAMES, NoOptions, PresetOptions, option_names, resolve_options
 
 logger = logging.getLogger("qattn_compile.policy")
@@ -84,6 +93,11 @@ REGEX_PREFIX = "re:"
 """Prefix that turns a pattern into a regular expression (matched with ``re.fullmatch``)."""
 
 _YAML_SUFFIXES = (".yaml", ".yml")
+MAX_YAML_DEPTH = 32
+"""The deepest nesting of YAML collections a policy may have (its own needs about 8)."""
+MAX_YAML_VALUES = 500_000
+"""The most values (scalars and collections, each alias counted as what it stands for) a
+policy's YAML may hold: a few bytes of nested aliases can stand for billions of values."""
 
 
 # --------------------------------------------------------------------------- patterns
@@ -95,18 +109,18 @@ def _matcher(pattern: str) -> Callable[[str], bool]:
     if pattern.startswith(REGEX_PREFIX):
         body = pattern[len(REGEX_PREFIX) :]
         if not body:
-            raise ValueError(f"empty regular expression {pattern!r}")
+            raise ValueError(f"empty regular expression {short_repr(pattern)}")
         try:
             regex = re.compile(body)
         except re.error as exc:
-            raise ValueError(f"bad regular expression {pattern!r}: {exc}") from None
+            raise ValueError(f"bad regular expression {short_repr(pattern)}: {exc}") from None
         return lambda name: regex.fullmatch(name) is not None
     if not pattern:
         raise ValueError("empty pattern")
     if (opened := _unclosed_bracket(pattern)) is not None:
-        raise ValueError(f"unclosed `[` at position {opened} of glob {pattern!r} (a glob reads "
-                         "it as a literal `[`, which no module or class name holds; `[[]` "
-                         "matches a literal `[`)")
+        raise ValueError(f"unclosed `[` at position {opened} of glob {short_repr(pattern)} "
+                         "(a glob reads it as a literal `[`, which no module or class name "
+                         "holds; `[[]` matches a literal `[`)")
     return lambda name: fnmatch.fnmatchcase(name, pattern)
 
 
@@ -142,7 +156,8 @@ def _check_preset_name(value: Any) -> str:
     if value is None:
         raise ValueError(f"is empty; choose one of: {', '.join(PRESET_NAMES)}")
     if not isinstance(value, str) or value not in PRESET_NAMES:
-        raise ValueError(f"unknown preset {value!r}; choose one of: {', '.join(PRESET_NAMES)}")
+        raise ValueError(f"unknown preset {short_repr(value)}; choose one of: "
+                         f"{', '.join(PRESET_NAMES)}")
     return value
 
 
@@ -161,7 +176,7 @@ def _resolve(preset: str | None, options: Any) -> PresetOptions:
         bad = [k for k in options if not isinstance(k, str)]
         if bad:
             raise ValueError(
-                f"option names must be strings, got {bad[0]!r}; "
+                f"option names must be strings, got {short_repr(bad[0])}; "
                 f"options of preset {preset!r}: {option_names(preset)}"
             )
         options = dict(options)
@@ -218,9 +233,9 @@ class Rule(BaseModel):
 
     def short_label(self) -> str:
         """How "matched no site" lines name this rule: its match and/or class in backticks."""
-        parts = [f"`{self.match}`"] if self.match is not None else []
+        parts = [f"`{_clip(self.match)}`"] if self.match is not None else []
         if self.module_class is not None:
-            parts.append(f"class `{self.module_class}`")
+            parts.append(f"class `{_clip(self.module_class)}`")
         return ", ".join(parts)
 
     def describe(self, index: int) -> str:
@@ -341,7 +356,7 @@ class KVCachePolicy(KVCacheLayer):
 def _kv_cache_problems(exc: ValidationError, data: Mapping[str, Any]) -> str:
     """One sentence per error inside ``kv_cache:``, naming the rule and the field."""
     sentences = []
-    for error in exc.errors():
+    for error in exc.errors()[:SHOWN_PROBLEMS]:
         loc, model, place = tuple(error["loc"]), KVCachePolicy, ""
         if len(loc) >= 2 and loc[0] == "rules" and isinstance(loc[1], int):
             rules = data.get("rules")
@@ -354,7 +369,7 @@ def _kv_cache_problems(exc: ValidationError, data: Mapping[str, Any]) -> str:
             field = f"field `{loc[0]}`" if loc else ""
             text = ": ".join(p for p in (field, _problem(error, model, "")) if p)
         sentences.append(": ".join(p for p in (place, text) if p))
-    return "; ".join(sentences)
+    return join_problems(sentences, exc.error_count())
 
 
 class Policy(BaseModel):
@@ -391,7 +406,7 @@ class Policy(BaseModel):
     def _version_ok(cls, value: Any) -> int:
         if type(value) is not int or value != SCHEMA_VERSION:
             raise ValueError(
-                f"unsupported schema version {value!r}; this qattn reads only "
+                f"unsupported schema version {short_repr(value)}; this qattn reads only "
                 f"`qattn: {SCHEMA_VERSION}`"
             )
         return value
@@ -440,8 +455,8 @@ class Policy(BaseModel):
             )
         stray = next((key for key in data if not isinstance(key, str)), None)
         if stray is not None:
-            raise PolicyError(f"policy {source}: key {stray!r} is not a string; allowed keys: "
-                              f"{', '.join(cls.model_fields)}")
+            raise PolicyError(f"policy {source}: key {short_repr(stray)} is not a string; "
+                              f"allowed keys: {', '.join(cls.model_fields)}")
         token = _SOURCE_BEING_BUILT.set(source)
         try:
             policy = cls(**data)
@@ -525,33 +540,45 @@ class Policy(BaseModel):
         reason = f"no rule matches {site}; the default applies: {outcome}"
         return Decision(self.default, self.default_options, None, "default", reason)
 
-    def unmatched_rules(self, matched_indices: Collection[int]) -> list[str]:
-        """One description per rule whose index is not in ``matched_indices`` (the union of
-        the sites' :attr:`Decision.matched_rules`)."""
+    def unmatched_rules(self, matched_indices: Collection[int],
+                        sites: Mapping[str, str | None] | None = None) -> list[str]:
+        """One line per rule whose index is not in ``matched_indices`` (the union of the
+        sites' :attr:`Decision.matched_rules`). ``sites`` (each site's FQN and module class)
+        adds to a rule's line the site names, or class names, closest to a pattern of it
+        that matches none, e.g. ``rules[0] (`*self_atn`) matched no site; closest sites:
+        `layers.0.self_attn`, ...``."""
+        unmatched = [(i, rule) for i, rule in enumerate(self.rules) if i not in matched_indices]
+        if not unmatched:
+            return []
+        names = _NameIndex([fqn for fqn in sites or {} if fqn])
+        classes = _NameIndex([cls for cls in (sites or {}).values() if cls])
         return [
             f"rules[{i}] ({rule.short_label()}) matched no site"
-            for i, rule in enumerate(self.rules)
-            if i not in matched_indices
+            + names.hint("sites", rule.match) + classes.hint("classes", rule.module_class)
+            for i, rule in unmatched
         ]
 
     def with_strict(self, strict: bool) -> Policy:
         """A copy of this policy with ``strict`` replaced (the backend's ``strict`` option)."""
         return self.model_copy(update={"strict": strict})
 
-    def check_unmatched(self, matched_indices: Collection[int], warned: Collection[str] = ()) -> list[str]:
+    def check_unmatched(self, matched_indices: Collection[int], warned: Collection[str] = (),
+                        sites: Mapping[str, str | None] | None = None) -> list[str]:
         """Warn about every rule that matched no site (except the descriptions in ``warned``,
-        already given); with ``strict: true`` raise instead.
+        already given, whatever closest sites they named); with ``strict: true`` raise
+        instead. ``sites`` as in :meth:`unmatched_rules`.
 
         Returns the descriptions (empty when every rule matched something).
         """
-        unmatched = self.unmatched_rules(matched_indices)
+        unmatched = self.unmatched_rules(matched_indices, sites)
+        given = {text.split(_HINT_SEPARATOR)[0] for text in warned}
         for text in unmatched:
-            if text not in warned:
+            if text.split(_HINT_SEPARATOR)[0] not in given:
                 logger.warning("policy %s: %s", self.source, text)
         if unmatched and self.strict:
             raise PolicyError(
                 f"policy {self.source}: strict: true and {len(unmatched)} rule(s) matched no "
-                f"attention site: {'; '.join(unmatched)}. Fix or remove them, or set "
+                f"attention site: {join_problems(unmatched)}. Fix or remove them, or set "
                 f"`strict: false` to only warn"
             )
         return unmatched
@@ -589,7 +616,46 @@ def load_policy(source: Policy | str | os.PathLike[str] | Mapping[str, Any]) -> 
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last), and
+    a document nested deeper than :data:`MAX_YAML_DEPTH` (PyYAML's composer recurses per
+    level, so deep nesting ends in a RecursionError) or whose aliases expand to more than
+    :data:`MAX_YAML_VALUES` values (an alias bomb: cheap to load, since aliases share one
+    object, but anything that walks the value, a validator or an error message, walks every
+    copy). Both are refused while composing, before any value is built. An integer of more
+    digits than Python converts is a YAML error too, not int()'s ValueError."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._values: dict[int, int] = {}  # id(node) -> values it holds, aliases expanded
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self._depth >= MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_YAML_DEPTH} levels deep",
+                self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if id(node) not in self._values:  # an alias returns its anchor's node, counted once
+            self._values[id(node)] = count = 1 + sum(
+                self._values[id(child)] for child in _children(node))
+            if count > MAX_YAML_VALUES:
+                raise yaml.composer.ComposerError(
+                    None, None, f"its aliases expand to more than {MAX_YAML_VALUES} values "
+                    "(an alias bomb?); write the values out, or alias less",
+                    node.start_mark)
+        return node
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # more digits than int() converts
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of more than {sys.get_int_max_str_digits()} digits",
+                node.start_mark) from None
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
@@ -604,9 +670,85 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if duplicate:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                    None, None, f"duplicate key {short_repr(key)}", key_node.start_mark
                 )
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+
+
+_HINT_SEPARATOR = "; closest "
+"""What starts the closest-names hint of an unmatched rule's line."""
+
+
+class _NameIndex:
+    """Site (or class) names, to find those closest to a pattern that matches none of them.
+
+    A name is compared whole and by each of its dotted tails (``layers.0.self_attn``,
+    ``0.self_attn``, ``self_attn``), so that the short pattern ``*self_atn`` finds the long
+    FQN it was meant for; the pattern's literal text is compared (:func:`_literal_text`).
+    """
+
+    SHOWN = 3
+    """The most names one hint gives."""
+    CUTOFF = 0.6
+    """The least similarity (:meth:`difflib.SequenceMatcher.ratio`) of a name shown."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = list(dict.fromkeys(names))
+        self.by_tail: dict[str, list[str]] = {}
+        for name in self.names:
+            parts = name.split(".")
+            for i in range(len(parts)):
+                self.by_tail.setdefault(".".join(parts[i:]), []).append(name)
+
+    def closest(self, pattern: str) -> list[str]:
+        """Up to :attr:`SHOWN` names most like ``pattern``, best first (none when a name
+        matches it, or none is alike)."""
+        if any(match_pattern(pattern, name) for name in self.names):
+            return []
+        # difflib.get_close_matches's test, with ties kept in the sites' order
+        matcher = difflib.SequenceMatcher()
+        matcher.set_seq2(_literal_text(pattern)[: 4 * SHOWN_CHARS])
+        scored = []
+        for order, tail in enumerate(self.by_tail):
+            matcher.set_seq1(tail)
+            if (matcher.real_quick_ratio() >= self.CUTOFF and matcher.quick_ratio() >= self.CUTOFF
+                    and (ratio := matcher.ratio()) >= self.CUTOFF):
+                scored.append((-ratio, order, tail))
+        found: list[str] = []
+        for _, _, tail in sorted(scored):
+            found.extend(name for name in self.by_tail[tail] if name not in found)
+            if len(found) >= self.SHOWN:
+                break
+        return found[: self.SHOWN]
+
+    def hint(self, what: str, pattern: str | None) -> str:
+        """``"; closest sites: `a`, `b`"``, or "" when there is nothing to say."""
+        close = self.closest(pattern) if pattern is not None and self.names else []
+        if not close:
+            return ""
+        return f"{_HINT_SEPARATOR}{what}: " + ", ".join(f"`{_clip(name)}`" for name in close)
+
+
+def _literal_text(pattern: str) -> str:
+    """The literal text of a policy pattern: a glob without its wildcards, a regex without
+    its syntax (``re:.*\\.self_atn`` -> ``.self_atn``)."""
+    if pattern.startswith(REGEX_PREFIX):
+        body = re.sub(r"\.[*+?]", "", pattern[len(REGEX_PREFIX):])
+        return re.sub(r"\\(.)|[\^$()|*+?{}\[\]]", lambda m: m.group(1) or "", body)
+    return re.sub(r"[*?\[\]!]", "", pattern)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    """The nodes a YAML collection node holds (a mapping's keys and values); none for a
+    scalar."""
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    return []
 
 
 def _path_is(text: str, test: Callable[[Path], bool]) -> bool:
@@ -619,8 +761,15 @@ def _path_is(text: str, test: Callable[[Path], bool]) -> bool:
 
 
 def _quote(value: Any) -> str:
-    """``'text'`` for a string (no repr escaping of backslashes), repr otherwise."""
-    return f"'{value}'" if isinstance(value, str) else repr(value)
+    """``'text'`` for a string (no repr escaping of backslashes), repr otherwise; cut to
+    :data:`~qattn_compile.messages.SHOWN_CHARS` characters either way."""
+    return f"'{_clip(value)}'" if isinstance(value, str) else short_repr(value)
+
+
+def _clip(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` on one line, cut to ``limit`` characters."""
+    text = text[: limit + 1].replace("\n", "\\n")  # only what is shown is scanned
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _rule_label(match: Any, module_class: Any) -> str:
@@ -654,7 +803,7 @@ def _problem(error: dict, model: type[BaseModel], field: str) -> str:
 def _explain(exc: ValidationError, data: Mapping[str, Any], source: str) -> str:
     """Turn a pydantic ValidationError into one paragraph naming file, rule, field, allowed."""
     sentences = []
-    for error in exc.errors():
+    for error in exc.errors()[:SHOWN_PROBLEMS]:
         place, rest = _where(tuple(error["loc"]), data)
         in_rule = place.startswith("rules[")
         model = Rule if in_rule else Policy
@@ -667,4 +816,4 @@ def _explain(exc: ValidationError, data: Mapping[str, Any], source: str) -> str:
             field = f"field `{rest[0]}`" if rest else ""
             text = ": ".join(p for p in (place, field, _problem(error, model, "")) if p)
         sentences.append(text)
-    return f"policy {source}: " + ". ".join(sentences)
+    return f"policy {source}: " + join_problems(sentences, exc.error_count(), sep=". ")

@@ -47,7 +47,8 @@ TYPO_POLICY = textwrap.dedent(
         preset: fp8
     """
 )
-TYPO_LINE = "rules[2] (`*self_atn`) matched no site"
+TYPO_LINE = ("rules[2] (`*self_atn`) matched no site; closest sites: "
+             "`model.layers.0.self_attn`, `model.layers.1.self_attn`")
 CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",

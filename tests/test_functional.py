@@ -1,10 +1,15 @@
 """The eager functional API: SDPA semantics, shapes, errors."""
 
+import functools
+import inspect
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import qattn_compile
+from qattn_compile.errors import AttentionInputError
 from qattn_compile.metrics import compare
 from qattn_compile.presets import QUANTIZED_PRESETS
 from qattn_compile.reference import exact_attention
@@ -55,8 +60,9 @@ def test_options_are_validated():
     [
         (lambda q, k, v: (q, k.half(), v), "same dtype"),
         (lambda q, k, v: (q, k[..., :16], v), "same head dim"),
-        (lambda q, k, v: (q, k, v[:, :, :5]), "key and value to have the same heads and length"),
-        (lambda q, k, v: (q[0, 0], k, v), "at least 3 dims"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), "key and value to have the same leading dims, heads "
+                                              "and length"),
+        (lambda q, k, v: (q[0, 0, 0], k, v), "at least 2 dimensional"),
         (lambda q, k, v: (q.int(), k.int(), v.int()), "floating point"),
     ],
 )
@@ -64,6 +70,26 @@ def test_bad_inputs_raise_sdpa_style_errors(change, message):
     q, k, v = change(*_qkv(hkv=4))
     with pytest.raises(ValueError, match=message):
         qattn_compile.attention(q, k, v, preset="int_flash")
+
+
+@pytest.mark.parametrize("q_shape, kv_shape, enable_gqa", [
+    ((19, 32), (23, 32), False),  # 2-D: one head, no batch
+    ((19, 32), (2, 3, 23, 32), False),
+    ((2, 1, 3, 19, 32), (4, 3, 23, 32), False),  # leading dims broadcast
+    ((2, 4, 19, 32), (1, 4, 23, 32), False),
+    ((2, 4, 19, 32), (2, 1, 23, 32), False),  # one key/value head, broadcast over the query's
+    ((2, 1, 19, 32), (2, 4, 23, 32), False),  # one query head, broadcast over the key's
+    ((2, 4, 19, 32), (1, 2, 23, 32), True),
+], ids=str)
+@pytest.mark.parametrize("preset", ["none", "flash", "int_flash"])
+def test_shapes_sdpa_broadcasts_are_broadcast(q_shape, kv_shape, enable_gqa, preset):
+    q, k, v = torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape)
+    mask = torch.rand(19, 23) > 0.3
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    out = qattn_compile.attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa, preset=preset)
+    assert out.shape == ref.shape
+    error = compare(out, ref)["rel_l1"]
+    assert error < (1e-5 if preset != "int_flash" else 0.05), error
 
 
 def test_gqa_needs_enable_gqa_and_divisible_heads():
@@ -219,3 +245,145 @@ def test_static_scales_are_not_negative_and_calibration_files_need_the_backend()
     with pytest.raises(ValueError, match="read per site by the torch.compile backend"):
         qattn_compile.attention(q, k, v, preset="fmha_int8", scales="static",
                                 calibration="scales.pt")
+
+
+# ----------------------------------------------------------------------------- SDPA's arguments
+
+def test_sdpa_arguments_by_name_as_diffusers_passes_them():
+    """``functools.partial(qattn_compile.attention, preset=...)`` replaces SDPA in code that
+    names every argument; the positional order is SDPA's."""
+    params = list(inspect.signature(qattn_compile.attention).parameters.values())
+    assert [p.name for p in params[:8]] == ["query", "key", "value", "attn_mask", "dropout_p",
+                                            "is_causal", "scale", "enable_gqa"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:8])
+    assert params[8].name == "preset" and params[8].kind is inspect.Parameter.KEYWORD_ONLY
+    sdpa = functools.partial(qattn_compile.attention, preset="flash")
+    q, k, v = _qkv()
+    mask = torch.rand(19, 23) > 0.3
+    named = dict(query=q, key=k, value=v, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                 scale=0.3, enable_gqa=True)
+    out = sdpa(**named)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(**named), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(sdpa(*named.values()), out)
+
+
+@pytest.mark.parametrize("typo, meant", [("is_casual", "is_causal"), ("atn_mask", "attn_mask"),
+                                         ("enable_gq", "enable_gqa")])
+def test_a_misspelled_sdpa_argument_is_a_type_error_not_an_unknown_option(typo, meant):
+    q, k, v = _qkv(hkv=4)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        F.scaled_dot_product_attention(q, k, v, **{typo: True})
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{typo}' "
+                                        f"\\(did you mean '{meant}'\\?\\)"):
+        qattn_compile.attention(q, k, v, **{typo: True}, preset="int_flash")
+    with pytest.raises(qattn_compile.PolicyError, match="unknown key `smooth`"):
+        qattn_compile.attention(q, k, v, smooth=True, preset="int_flash")  # an option's typo
+    with pytest.raises(qattn_compile.PolicyError, match="unknown key `scales`"):
+        qattn_compile.attention(q, k, v, scales="static", preset="int_flash")  # fmha_int8's
+
+
+def _np_bool():
+    return pytest.importorskip("numpy").bool_(True)
+
+
+def _np_mask():
+    return pytest.importorskip("numpy").ones((19, 23), dtype=bool)
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("is_causal", lambda: "False"),  # was read as causal: a non-empty string is truthy
+    ("is_causal", lambda: 1),
+    ("is_causal", lambda: None),
+    ("is_causal", _np_bool),
+    ("is_causal", lambda: torch.tensor(True)),
+    ("enable_gqa", lambda: "False"),
+    ("attn_mask", lambda: [[True] * 23] * 19),
+    ("attn_mask", _np_mask),
+    ("dropout_p", lambda: "0.0"),
+    ("dropout_p", lambda: None),
+    ("scale", lambda: "0.5"),
+    ("scale", lambda: torch.tensor([0.5, 0.5])),
+    ("query", lambda: [[1.0]]),
+], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("preset", ["none", "int_flash"])
+def test_an_argument_of_a_wrong_type_is_sdpas_type_error(name, bad, preset):
+    q, k, v = _qkv(hkv=4)
+    arguments = dict(query=q, key=k, value=v) | {name: bad()}
+    with pytest.raises(TypeError, match=f"argument '{name}'"):
+        F.scaled_dot_product_attention(**arguments)
+    with pytest.raises(TypeError, match=f"argument '{name}' must be "):
+        qattn_compile.attention(**arguments, preset=preset)
+
+
+@pytest.mark.parametrize("arguments", [
+    dict(scale=torch.tensor(0.5)), dict(scale=1), dict(dropout_p=0), dict(dropout_p=False),
+], ids=["0-d tensor scale", "int scale", "int dropout_p", "bool dropout_p"])
+def test_what_sdpas_parser_takes_for_a_float_is_taken(arguments):
+    q, k, v = _qkv(hkv=4)
+    out = qattn_compile.attention(q, k, v, **arguments, preset="flash")
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, **arguments),
+                               atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask", [torch.ones(23, dtype=torch.bool), torch.zeros(23),
+                                  torch.tensor(True)], ids=["1-d bool", "1-d float", "0-d"])
+@pytest.mark.parametrize("preset", ["none", "flash", "int_flash"])
+def test_a_mask_of_fewer_than_2_dims_is_sdpas_index_error(mask, preset):
+    q, k, v = _qkv(hkv=4)
+    with pytest.raises(IndexError):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with pytest.raises(IndexError, match=rf"attn_mask must have at least 2 dims .*shape "
+                                         rf"{re.escape(str(tuple(mask.shape)))}"):
+        qattn_compile.attention(q, k, v, attn_mask=mask, preset=preset)
+
+
+@pytest.mark.parametrize("preset", ["none", "flash", "int_flash", "sage2_8b"])
+def test_a_mask_with_is_causal_applies_both_as_sdpa_on_cpu_does(preset):
+    """SDPA's CPU path takes ``attn_mask`` with ``is_causal=True`` and applies both (its
+    fused CUDA backends refuse the pair); so does every preset."""
+    q, k, v = _qkv(hkv=4)
+    mask = torch.rand(2, 1, 19, 23) > 0.3
+    combined = mask & torch.ones(19, 23, dtype=torch.bool).tril()
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    torch.testing.assert_close(sdpa, F.scaled_dot_product_attention(q, k, v, attn_mask=combined),
+                               equal_nan=True)
+    both = qattn_compile.attention(q, k, v, attn_mask=mask, is_causal=True, preset=preset)
+    torch.testing.assert_close(both, qattn_compile.attention(q, k, v, attn_mask=combined,
+                                                             preset=preset))
+    assert not torch.allclose(both, qattn_compile.attention(q, k, v, attn_mask=mask,
+                                                            preset=preset), atol=1e-2)
+
+
+@pytest.mark.parametrize("change", [
+    lambda q, k, v: dict(query=q, key=k.double(), value=v),
+    lambda q, k, v: dict(query=q, key=k[..., :16], value=v),
+    lambda q, k, v: dict(query=q.int(), key=k.int(), value=v.int()),
+    lambda q, k, v: dict(query=q, key=k[:, :2], value=v[:, :2]),  # heads differ, no enable_gqa
+    lambda q, k, v: dict(query=q, key=k, value=v, attn_mask=torch.ones(19, 23, dtype=torch.int32)),
+    lambda q, k, v: dict(query=q, key=k, value=v, attn_mask=torch.ones(7, 23, dtype=torch.bool)),
+], ids=["dtypes", "head dims", "integer", "heads", "mask dtype", "mask shape"])
+def test_tensors_sdpa_refuses_with_a_runtime_error_raise_one(change):
+    """SDPA's RuntimeError; still a ValueError, as qattn's other refusals of bad input."""
+    arguments = change(*_qkv(hkv=4))
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(**arguments)
+    with pytest.raises(AttentionInputError) as info:
+        qattn_compile.attention(**arguments, preset="int_flash")
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)
+
+
+def test_flash_keeps_a_nan_in_a_masked_key_out_where_sdpa_does_not():
+    """The difference the README's NaN paragraph states: a NaN in a key that the mask hides
+    gives SDPA (and the quantized presets, through a quantization scale) NaN rows in its
+    head; ``flash`` replaces the masked score, as its kernel does, so its rows stay finite."""
+    q, k, v = _qkv(hkv=4)
+    k[0, 1, 22, 5] = float("nan")
+    mask = torch.ones(19, 23, dtype=torch.bool)
+    mask[:, 22] = False
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    flash = qattn_compile.attention(q, k, v, attn_mask=mask, preset="flash")
+    quantized = qattn_compile.attention(q, k, v, attn_mask=mask, preset="int_flash")
+    assert sdpa[0, 1].isnan().all() and quantized[0, 1].isnan().any()
+    assert flash.isfinite().all()
+    unmasked = exact_attention(q[:1, 1:2], k[:1, 1:2, :22], v[:1, 1:2, :22])
+    torch.testing.assert_close(flash[0, 1], unmasked[0, 0].float(), atol=1e-5, rtol=1e-4)

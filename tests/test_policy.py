@@ -338,6 +338,136 @@ def test_unloadable_source_type():
     assert "cannot load a policy from a number 3" in error_of(3)
 
 
+# ----------------------------------------------------------------------------- hostile policies
+# Each is refused with a PolicyError naming the file, a message of bounded length, in time
+# bounded by the size of the text (not of what it stands for).
+
+
+def _shared_bomb(levels: int = 9, width: int = 9) -> list:
+    """A list standing for width**levels strings, built from shared references in
+    O(levels * width) memory, as YAML aliases build it."""
+    value: list = ["lol"] * width
+    for _ in range(levels - 1):
+        value = [value] * width
+    return value
+
+
+def _error_of_file(tmp_path, text: str) -> str:
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    message = str(info.value)
+    assert message.startswith(f"policy {path}: bad YAML at line "), message
+    return message
+
+
+@pytest.mark.parametrize("nested", [
+    "rules: " + "[" * 500 + "]" * 500,
+    "default_options: " + "{a: " * 500 + "1" + "}" * 500,
+    "rules:\n" + "".join("  " * i + "-\n" for i in range(1, 500)),
+], ids=["flow sequences", "flow mappings", "block sequences"])
+def test_a_policy_nested_500_deep_is_refused_not_a_recursion_error(tmp_path, nested):
+    message = _error_of_file(tmp_path, "qattn: 1\n" + nested + "\n")
+    assert "nested more than 32 levels deep" in message
+    assert len(message) < 300
+
+
+def test_qattn_explain_blames_a_deeply_nested_policy_not_the_model(tmp_path, capsys):
+    """A RecursionError from the policy was reported as the MODEL_SPEC failing."""
+    from qattn_compile.cli import main
+
+    path = tmp_path / "deep.yaml"
+    path.write_text("qattn: 1\nrules: " + "[" * 500 + "]" * 500 + "\n")
+    assert main(["explain", "tiny-llama", "--policy", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"qattn: error: policy {path}: bad YAML at line 2, column ")
+    assert "nested more than 32 levels deep" in err and "MODEL_SPEC" not in err
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
+    """471 bytes standing for 9**9 strings: nothing walks them (PyYAML builds them as shared
+    objects; a validator or an error message walking every copy took 40 s and 460 MiB)."""
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    text = "qattn: 1\nanchors:\n" + "".join(f"  {line}\n" for line in lines) + "default: *i\n"
+    assert len(text) < 500
+    message = _error_of_file(tmp_path, text)
+    assert "aliases expand to more than 500000 values (an alias bomb?)" in message
+    assert len(message) < 300
+
+
+def test_an_integer_too_long_to_convert_is_a_yaml_error(tmp_path):
+    message = _error_of_file(tmp_path, "qattn: 1\nstrict: " + "9" * 5000 + "\n")
+    assert message.endswith("at line 2, column 9: an integer of more than 4300 digits")
+
+
+def test_aliases_that_stay_small_are_read():
+    p = policy("""
+        qattn: 1
+        rules:
+          - {match: "*q_attn", preset: int_flash, options: &opts {k_granularity: token}}
+          - {match: "*k_attn", preset: int_flash, options: *opts}
+    """)
+    assert p.rules[0].options == p.rules[1].options == IntFlashOptions(k_granularity="token")
+
+
+@pytest.mark.parametrize("field, wrong", [
+    ("default", None), ("qattn", None), ("strict", None), ("ignore", None), ("rules", None),
+    ("rules", "match"), ("rules", "options"), ("kv_cache", None), ("kv_cache", "rules"),
+], ids=lambda x: str(x))
+def test_a_huge_shared_value_is_shown_in_a_few_characters(field, wrong):
+    """A dict built in Python can hold what an alias bomb stands for: every message shows a
+    bounded part of it (it showed the repr of all 9**9 strings, then cut it)."""
+    bomb = _shared_bomb()
+    data = {"qattn": 1, field: bomb}
+    if (field, wrong) == ("rules", "match"):
+        data["rules"] = [{"match": bomb, "preset": "flash"}]
+    elif (field, wrong) == ("rules", "options"):
+        data["rules"] = [{"match": "x", "preset": "sage2_8b", "options": {"pv": bomb}}]
+    elif (field, wrong) == ("kv_cache", "rules"):
+        data["kv_cache"] = {"rules": bomb}
+    with pytest.raises(PolicyError) as info:
+        Policy.from_dict(data, source="bomb.yaml")
+    message = str(info.value)
+    assert message.startswith("policy bomb.yaml: ")
+    assert "[[[[" in message and len(message) < 1500, message
+
+
+def test_twenty_thousand_bad_rules_give_the_first_problems_and_a_count():
+    rules = [{"match": f"layers.{i}.attn", "preset": "bogus"} for i in range(20_000)]
+    with pytest.raises(PolicyError) as info:
+        Policy.from_dict({"qattn": 1, "rules": rules}, source="many.yaml")
+    message = str(info.value)
+    assert message.startswith("policy many.yaml: rules[0] (match 'layers.0.attn'): field "
+                              "`preset`: unknown preset 'bogus'")
+    assert "rules[4] (match 'layers.4.attn')" in message and "rules[5]" not in message
+    assert message.endswith("and 19995 more problem(s) (20000 in all)")
+    assert len(message) < 1500
+
+
+def test_a_huge_pattern_or_preset_name_is_cut_in_the_message():
+    huge = "x" * 100_000
+    for rule in ({"match": "re:(" + huge, "preset": "flash"}, {"match": huge, "preset": huge},
+                 {"match": "[" + huge, "preset": "flash"}):
+        with pytest.raises(PolicyError) as info:
+            Policy.from_dict({"qattn": 1, "rules": [rule]}, source="huge.yaml")
+        assert str(info.value).startswith("policy huge.yaml: rules[0] (match '")
+        assert len(str(info.value)) < 800
+
+
+def test_strict_with_many_unmatched_rules_lists_the_first():
+    rules = [{"match": f"nothing.{i}", "preset": "flash"} for i in range(100)]
+    p = Policy.from_dict({"qattn": 1, "strict": True, "rules": rules})
+    with pytest.raises(PolicyError) as info:
+        p.check_unmatched(set())
+    message = str(info.value)
+    assert "100 rule(s) matched no attention site" in message
+    assert "rules[4] (`nothing.4`) matched no site" in message and "nothing.5`" not in message
+    assert "and 95 more problem(s) (100 in all)" in message
+
+
 # ----------------------------------------------------------------------------- decisions
 
 
@@ -551,6 +681,65 @@ def test_check_unmatched_raises_when_strict(caplog):
     assert "rules[0] (`*self_atn`) matched no site" in message
     assert "rules[1] (class `Bert`) matched no site" in message
     assert "strict: false" in message
+
+
+LLAMA_SITES = {f"model.layers.{i}.self_attn": "LlamaAttention" for i in range(12)}
+
+
+def test_an_unmatched_rule_names_the_closest_sites():
+    p = policy(r"""
+        qattn: 1
+        rules:
+          - {match: "*self_atn", preset: flash}
+          - {match: 're:.*\.self_atn', preset: flash}
+          - {match: "model.layer.3.self_attn", preset: flash}
+          - {module_class: LlamaAtention, preset: flash}
+          - {match: "*self_attn", module_class: "Bert*", preset: flash}
+          - {match: "zzzz", preset: flash}
+    """)
+    lines = p.unmatched_rules(set(), LLAMA_SITES)
+    first_three = ", ".join(f"`model.layers.{i}.self_attn`" for i in range(3))
+    assert lines == [
+        f"rules[0] (`*self_atn`) matched no site; closest sites: {first_three}",
+        f"rules[1] (`re:.*\\.self_atn`) matched no site; closest sites: {first_three}",
+        "rules[2] (`model.layer.3.self_attn`) matched no site; closest sites: "
+        "`model.layers.3.self_attn`, `model.layers.0.self_attn`, `model.layers.1.self_attn`",
+        "rules[3] (class `LlamaAtention`) matched no site; closest classes: `LlamaAttention`",
+        "rules[4] (`*self_attn`, class `Bert*`) matched no site",  # its match matches sites
+        "rules[5] (`zzzz`) matched no site",  # nothing alike
+    ]
+    assert p.unmatched_rules(set()) == [line.split(";")[0] for line in lines]  # no sites given
+
+
+def test_the_closest_sites_hint_is_one_bounded_line():
+    long_name = "encoder." + "very_long_block_name." * 30 + "attn"
+    p = policy("""
+        qattn: 1
+        rules:
+          - {match: "encoder.very_long_block_name*atn", preset: flash}
+    """)
+    sites = {long_name: None, **{f"{long_name}.{i}": None for i in range(10)}}
+    [line] = p.unmatched_rules(set(), sites)
+    assert "\n" not in line and line.count("`") == 2 + 2 * 3 and len(line) < 300
+    assert "closest sites: `encoder.very_long_block_name.very_long_block_name.very_lo..." in line
+
+
+def test_check_unmatched_warns_with_the_closest_sites(caplog):
+    p = policy("""
+        qattn: 1
+        rules:
+          - {match: "*self_atn", preset: flash}
+    """)
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.policy"):
+        p.check_unmatched(set(), sites={"m.layers.0.self_attn": "A", "m.layers.1.mlp": "M"})
+    assert [r.getMessage() for r in caplog.records] == [
+        "policy <policy text>: rules[0] (`*self_atn`) matched no site; closest sites: "
+        "`m.layers.0.self_attn`"]
+    warned = [r.getMessage().split(": ", 1)[1] for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.policy"):  # a later graph
+        p.check_unmatched(set(), warned, sites={"m.layers.9.self_attn": "A"})
+    assert caplog.records == []  # the rule was warned about, with other closest sites
 
 
 # ----------------------------------------------------------------------------- round trip

@@ -58,9 +58,10 @@ class Capture:
         return [site.report for graph in self.graphs for site in graph.sites]
 
     def unmatched_rules(self) -> list[str]:
-        """The policy's lines for the rules no site matched (e.g. ``rules[2] (`*x`) matched no site``)."""
+        """The policy's lines for the rules no site matched (e.g. ``rules[2] (`*x`) matched no
+        site; closest sites: `layers.0.x```)."""
         matched = {i for r in self.reports for i in r.matched_rules}
-        return self.policy.unmatched_rules(matched)
+        return self.policy.unmatched_rules(matched, {r.fqn: r.module_class for r in self.reports})
 
 
 def node_line(lines: list[str], name: str | None) -> int | None:
