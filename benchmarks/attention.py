@@ -15,8 +15,10 @@ in a CUDA graph instead (as the autotuner and ``benchmarks/block.py`` do): the G
 the same kernels, without the host's launch work (a compiled model's numbers, with its
 quantizers fused into their producers, are ``benchmarks/block.py``'s). Accuracy is
 measured on the first batch element and 4 heads against fp32 SDPA (math backend) on the
-same inputs: cosine, relative L1, RMSE. Peers: SDPA flash, SDPA cuDNN, FlexAttention and
-SageAttention 1.0.6 when importable. A failing entry is recorded with its error and the
+same inputs: cosine, relative L1, RMSE. Peers: SDPA flash, SDPA cuDNN, FlexAttention,
+SageAttention 1.0.6 and FlashAttention-3 (the ``fa3-fwd`` wheel: bf16, and FP8 with its
+per-head quantization timed; its kernel alone on pre-quantized inputs is
+``benchmarks/tiers.py``'s) when importable. A failing entry is recorded with its error and the
 run goes on.
 """
 
@@ -80,6 +82,35 @@ def _sageattention():
     return lambda q, k, v, causal: sageattn(q, k, v, is_causal=causal)
 
 
+def fa3_fp8_inputs(q, k, v):
+    """Q, K, V ``[B, N, H, D]`` in e4m3 with one scale per (batch, kv head) (FA3's descale
+    layout ``[B, Hkv]``; Q's over each kv head's group of query heads), and those scales."""
+    bsz, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
+    q_amax = q.abs().amax(dim=(1, 3)).float().view(bsz, hkv, hq // hkv).amax(-1)
+    amaxes = [q_amax, k.abs().amax(dim=(1, 3)).float(), v.abs().amax(dim=(1, 3)).float()]
+    scales = [a.clamp_min(1e-6) / 448 for a in amaxes]
+    per_head = [scales[0].repeat_interleave(hq // hkv, 1), scales[1], scales[2]]
+    quantized = [(x / s[:, None, :, None]).to(torch.float8_e4m3fn) for x, s in zip((q, k, v), per_head)]
+    return (*quantized, [s.contiguous() for s in scales])
+
+
+def _fa3(fp8: bool):
+    """FlashAttention-3 (the ``fa3-fwd`` wheel) on [B, N, H, D] views; ``fp8``: its FP8
+    kernel with the per-(batch, head) quantization of Q, K, V timed with it."""
+    from fa3_fwd_interface import flash_attn_func
+
+    def run(q, k, v, causal):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        if not fp8:
+            return flash_attn_func(qt, kt, vt, causal=causal).transpose(1, 2)
+        q8, k8, v8, descales = fa3_fp8_inputs(qt, kt, vt)
+        out = flash_attn_func(q8, k8, v8, causal=causal, q_descale=descales[0],
+                              k_descale=descales[1], v_descale=descales[2])
+        return out.transpose(1, 2)
+
+    return run
+
+
 def _qattn(preset):
     return lambda q, k, v, causal: qattn_compile.attention(q, k, v, is_causal=causal, preset=preset)
 
@@ -90,6 +121,8 @@ def contenders(selected: list[str] | None) -> dict:
         "sdpa_cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION),
         "flex": _flex,
         "sageattn_1.0.6": _sageattention,
+        "fa3_bf16": lambda: _fa3(False),
+        "fa3_fp8": lambda: _fa3(True),
         **{f"qattn_{p}": (lambda p=p: _qattn(p)) for p in ("flash", *QUANTIZED_PRESETS)},
     }
     return {k: v for k, v in table.items() if not selected or k in selected}

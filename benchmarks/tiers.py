@@ -28,6 +28,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qattn_compile
+from attention import fa3_fp8_inputs  # benchmarks/, the script's own directory
 from qattn_compile.kernels.launch import prepare_attention
 from qattn_compile.kernels.tiers import Tier2Config
 
@@ -111,11 +112,7 @@ def contenders(q, k, v, causal, tier2_configs, fa3, preset, options) -> dict:
     if fa3 is not None:
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         runs["fa3 bf16"] = lambda: fa3(qt, kt, vt, causal=causal)
-        bsz, hkv = k.shape[0], k.shape[1]
-        scales = [x.abs().amax(dim=(1, 3)).float() / 448 for x in (qt, kt, vt)]  # [B, H]
-        q8, k8, v8 = (
-            (x / s[:, None, :, None]).to(torch.float8_e4m3fn) for x, s in zip((qt, kt, vt), scales))
-        descale = [s[:, :hkv].contiguous() for s in scales]
+        q8, k8, v8, descale = fa3_fp8_inputs(qt, kt, vt)
         runs["fa3 fp8 kernel"] = lambda: fa3(q8, k8, v8, causal=causal, q_descale=descale[0],
                                              k_descale=descale[1], v_descale=descale[2])
     return runs
