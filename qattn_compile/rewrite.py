@@ -31,9 +31,9 @@ import torch
 from torch import fx
 
 from . import ops
-from .errors import UnsupportedSiteError
+from .errors import PolicyError, UnsupportedSiteError
 from .evaluation.calibrate import options_for_site, site_keys
-from .patterns import AttentionSite, find_attention_sites
+from .patterns import AttentionSite, ModuleNames, find_attention_sites
 from .patterns.masks import MaskSpec, split_causal
 from .patterns.nodes import example_value, shape_of, tensor_value
 from .policy import Decision, Policy
@@ -206,24 +206,27 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
 
 
 def rewrite_attention(
-    gm: fx.GraphModule, policy: Policy, graph_index: int = 0, autotune: bool | None = None
+    gm: fx.GraphModule, policy: Policy, graph_index: int = 0, autotune: bool | None = None,
+    names: ModuleNames | None = None,
 ) -> list[SiteReport]:
     """Rewrite every site ``policy`` chooses a preset for; report every site found.
 
     ``autotune`` (not None) overrides the ``autotune`` option of every rewritten site
-    (the backend option of that name).
+    (the backend option of that name). ``names`` names the sites (default: the traced
+    frame's module tree, :class:`~qattn_compile.patterns.ModuleNames`).
 
     Every site is decided first (in graph order); the chosen ones are then replaced from the
     last to the first, so that a site reading an earlier site's output (the next layer's
     attention) still holds valid nodes when it is replaced.
 
     Raises :class:`UnsupportedSiteError` for a site that cannot be served when the policy
-    says ``on_unsupported: error`` (before the graph is modified).
+    says ``on_unsupported: error``, and :class:`PolicyError` for a site whose compiled code
+    also serves modules the policy decides differently (both before the graph is modified).
     """
     reports, chosen = [], []
-    sites = find_attention_sites(gm)
+    sites = find_attention_sites(gm, names)
     for site, key in zip(sites, site_keys([s.fqn for s in sites])):
-        decision = policy.decide(site.fqn, site.module_class)
+        decision = _shared_decision(site, key, policy.decide(site.fqn, site.module_class), policy)
         if autotune is not None and isinstance(decision.options, KernelOptions):
             options = decision.options.model_copy(update={"autotune": autotune})
             decision = dataclasses.replace(decision, options=options)
@@ -244,6 +247,36 @@ def rewrite_attention(
     return reports
 
 
+def _shared_decision(site: AttentionSite, key: str, decision: Decision, policy: Policy) -> Decision:
+    """``decision``, once every module the site's compiled code also serves
+    (:attr:`AttentionSite.serves`) is decided alike (calibrated per-site options included);
+    its ``matched_rules`` then count the rules matching those modules too. Raises
+    :class:`PolicyError` naming the first module decided otherwise: one compiled region
+    cannot apply two decisions."""
+    if not site.serves:
+        return decision
+
+    def options(d: Decision, site_key: str):
+        return d.options if site.refusal else options_for_site(d.preset, d.options, site_key, policy.source)
+
+    ours, matched = options(decision, key), set(decision.matched_rules)
+    for other in site.serves:
+        theirs = policy.decide(other, site.module_class)
+        if (theirs.preset, options(theirs, other + key[len(site.fqn):])) != (decision.preset, ours):
+            raise PolicyError(
+                f"attention site {site.fqn} ({site.module_class}) and {other} run one compiled "
+                "graph (dynamo compiles a block that runs as a frame of its own, by regional "
+                "compilation or a graph break inside it, once for all blocks of its class), but "
+                f"policy {policy.source} decides them differently: {site.fqn} gets "
+                f"{decision.preset!r} by {decision.rule_text}, {other} gets {theirs.preset!r} by "
+                f"{theirs.rule_text}{'' if theirs.preset != decision.preset else ' (other options)'}. "
+                "Write rules that decide these blocks alike, or compile the whole model with "
+                "no graph break inside its blocks."
+            )
+        matched.update(theirs.matched_rules)
+    return dataclasses.replace(decision, matched_rules=tuple(sorted(matched)))
+
+
 def _decide(site: AttentionSite, decision: Decision, policy: Policy, graph_index: int) -> SiteReport:
     """The report of ``site`` given the policy's ``decision``: rewritten, left alone, or
     fallback (and why)."""
@@ -251,6 +284,7 @@ def _decide(site: AttentionSite, decision: Decision, policy: Policy, graph_index
     report = SiteReport(
         fqn=site.fqn,
         module_class=site.module_class,
+        serves=site.serves,
         pattern=site.pattern,
         source=site.source,
         shapes=site.shapes(),

@@ -12,20 +12,23 @@ from torch import fx
 
 from .chains import chain_site
 from .sdpa import sdpa_site
-from .site import AttentionSite
+from .site import AttentionSite, ModuleNames
 
 
-def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
+def find_attention_sites(gm: fx.GraphModule, names: ModuleNames | None = None) -> list[AttentionSite]:
     """Every attention site (and refused candidate) of a dynamo FX graph, in graph order.
 
-    Pure: the graph is not modified.
+    Each site is named by ``names`` (default: the module tree of the frame dynamo is
+    compiling now, see :class:`ModuleNames`). Pure: the graph is not modified.
     """
+    names = ModuleNames.of_traced_frame() if names is None else names
     sites = []
     for node in gm.graph.nodes:
         site = sdpa_site(node) or chain_site(node)
         if site is not None:
+            site.fqn, site.module_class, site.serves = names.name(site.anchor)
             sites.append(site)
     return sites
 
 
-__all__ = ["AttentionSite", "find_attention_sites"]
+__all__ = ["AttentionSite", "ModuleNames", "find_attention_sites"]
