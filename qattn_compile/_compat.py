@@ -152,3 +152,11 @@ def compiled_module():
                 return owner
         frame = frame.f_back
     return None
+
+
+def invoke_subgraph_target():
+    """The higher-order op a ``torch.compiler.nested_compile_region`` call appears as in a
+    dynamo graph (``invoke_subgraph(subgraph, identifier, *operands)``), or None."""
+    import torch
+
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)

@@ -164,7 +164,7 @@ class QattnBackend:
     def _names(self) -> ModuleNames:
         """How this graph's sites are named (class docstring)."""
         model = self.options.model() if self.options.model is not None else None
-        names = ModuleNames.of_traced_frame(model or _compat.compiled_module())
+        names = ModuleNames.of_traced_frame(model)
         if model is not None and names.scope is None:
             log.warning("qattn: the traced frame is not reachable in this torch: sites are named "
                         "in the `model` option's tree, but which blocks share a compiled graph "

@@ -178,7 +178,8 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], matched: list[fx.Node]) -
 def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report: SiteReport) -> None:
     """Replace ``site`` by the op with the preset and options of ``decision``."""
     preset = decision.preset
-    emit = _Emitter(gm.graph, site.anchor)
+    graph = site.anchor.graph  # gm's, or a nested compile region's subgraph's
+    emit = _Emitter(graph, site.anchor)
     q, k, v = _build_query(emit, site), _permuted(emit, site.k, site.k_dims), _permuted(emit, site.v, site.v_dims)
     spec, causal_from_mask = split_causal(site.mask)
     mask = _build_mask(emit, spec)
@@ -202,7 +203,7 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
         out = emit("squeeze", out, 0, method=True)
     out = _permuted(emit, out, site.out_dims)
     site.anchor.replace_all_uses_with(_cast_like(emit, out, site.anchor))
-    _erase_dead(gm.graph, [*site.chain, *site.mask.nodes()], matched=site.chain)
+    _erase_dead(graph, [*site.chain, *site.mask.nodes()], matched=site.chain)
 
 
 def rewrite_attention(
@@ -242,8 +243,9 @@ def rewrite_attention(
             chosen.append((site, decision, report))
     for site, decision, report in reversed(chosen):
         _replace(gm, site, decision, report)
-    gm.graph.lint()
-    gm.recompile()
+    for graph in dict.fromkeys([gm.graph, *(site.anchor.graph for site, _, _ in chosen)]):
+        graph.lint()
+        graph.owning_module.recompile()
     return reports
 
 
@@ -265,13 +267,14 @@ def _shared_decision(site: AttentionSite, key: str, decision: Decision, policy: 
         if (theirs.preset, options(theirs, other + key[len(site.fqn):])) != (decision.preset, ours):
             raise PolicyError(
                 f"attention site {site.fqn} ({site.module_class}) and {other} run one compiled "
-                "graph (dynamo compiles a block that runs as a frame of its own, by regional "
-                "compilation or a graph break inside it, once for all blocks of its class), but "
+                "graph (dynamo compiles a block once for all blocks of its class when the block "
+                "is a region of its own: compiled on its own, a nested compile region, or a "
+                "frame of its own after a graph break inside it), but "
                 f"policy {policy.source} decides them differently: {site.fqn} gets "
                 f"{decision.preset!r} by {decision.rule_text}, {other} gets {theirs.preset!r} by "
                 f"{theirs.rule_text}{'' if theirs.preset != decision.preset else ' (other options)'}. "
                 "Write rules that decide these blocks alike, or compile the whole model with "
-                "no graph break inside its blocks."
+                "its blocks in no region of their own."
             )
         matched.update(theirs.matched_rules)
     return dataclasses.replace(decision, matched_rules=tuple(sorted(matched)))

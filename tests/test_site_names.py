@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qattn_compile
-from qattn_compile import _compat
+from qattn_compile import _compat, ops
 from qattn_compile.dynamo_backend import _backends, qattn_backend
 from qattn_compile.errors import OptionsError, PolicyError
 from qattn_compile.patterns.site import clean_fqn
@@ -55,6 +55,10 @@ class BreakingBlock(Block):
     def forward(self, x):
         torch._dynamo.graph_break()
         return x + self.attn1(x)
+
+
+class RegionBlock(Block):
+    forward = torch.compiler.nested_compile_region(Block.forward)
 
 
 class Model(nn.Module):
@@ -137,6 +141,33 @@ def test_a_graph_break_inside_blocks_keeps_full_names_and_refuses_split_decision
     assert "blocks.0.attn1" in message and "blocks.2.attn1" in message and "rules[1]" in message
 
 
+def test_a_nested_compile_region_is_rewritten_for_all_its_blocks_or_refused():
+    """``nested_compile_region`` traces a block once into a subgraph that every block calls:
+    its site is found in the subgraph, named for the block traced, serves the others."""
+    model = GetattrModel(RegionBlock).eval()
+    x = torch.randn(2, 5, 16)
+    be = qattn_compile.backend(policy=_policy(("blocks.*.attn1", "flash")), compiler="eager", strict=True)
+    graphs = []
+
+    def spy(gm, example_inputs):
+        graphs.append(gm)
+        return be(gm, example_inputs)
+
+    out = _run(model, lambda m: torch.compile(m, backend=spy), x)
+    (site,) = be.site_reports
+    assert (site.fqn, site.serves, site.status) == ("blocks.0.attn1", ("blocks.1.attn1", "blocks.2.attn1"), REWRITTEN)
+    (gm,) = graphs
+    in_subgraphs = [n for sub in gm.children() for n in sub.graph.nodes if n.target in ops.graph_ops()]
+    assert len(in_subgraphs) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+    _compat.reset_dynamo()
+    split = qattn_compile.backend(policy=_policy(("*attn1", "flash"), ("blocks.1.attn1", "none")), compiler="eager")
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="blocks.1.attn1"):
+        _run(model, lambda m: torch.compile(m, backend=split), x)
+
+
 def test_blocks_compiled_one_by_one_get_full_names_with_the_model_option():
     model = Model(layers=2).eval()
     x = torch.randn(2, 5, 16)
@@ -206,12 +237,42 @@ def test_dynamic_shapes_serve_a_symbolic_zero_dropout(monkeypatch):
     assert "dropout" in be.site_reports[-1].reason
 
 
+def test_tune_writes_named_modules_names(tmp_path, monkeypatch):
+    """``tune`` writes each site's name into its rules: a model overriding ``__getattr__``
+    gets rules that match its ``named_modules()`` names. The capture under it records a
+    nested compile region's site for every block calling it."""
+    from qattn_compile.evaluation import Evaluator, load_inputs, tune
+    from qattn_compile.policy import load_policy
+
+    (tmp_path / "getattr_model.py").write_text(textwrap.dedent("""
+        import torch
+        from test_site_names import GetattrModel
+
+        from test_site_names import RegionBlock
+
+        def build():
+            torch.manual_seed(0)
+            return GetattrModel(layers=2).eval(), (torch.randn(1, 9, 16),)
+
+        def regions():
+            torch.manual_seed(0)
+            return GetattrModel(RegionBlock, layers=2).eval(), (torch.randn(1, 9, 16),)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = tune(Evaluator(load_inputs("getattr_model:build"), device="cpu", fp_capture=True), 0.99)
+    assert sorted(c.fqn for c in result.choices) == ["blocks.0.attn1", "blocks.1.attn1"]
+    policy = load_policy(result.policy_text)
+    for choice in result.choices:
+        assert policy.decide(choice.fqn, "Attn").preset == choice.preset
+    # a nested compile region's one site is recorded once per block calling it
+    ev = Evaluator(load_inputs("getattr_model:regions"), device="cpu", fp_capture=True)
+    assert [(s.key, s.status, len(s.calls)) for s in ev.fp.sites] == [("blocks.0.attn1", REWRITTEN, 2)]
+
+
 # ----------------------------------------------------------------------------- diffusers
 
-diffusers = pytest.importorskip("diffusers")
-
-
 def _flux(layers=2):
+    diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     model = diffusers.FluxTransformer2DModel(
         patch_size=1, in_channels=4, num_layers=layers, num_single_layers=1, attention_head_dim=8,
@@ -265,25 +326,3 @@ def test_flux_compile_repeated_blocks_with_the_model_option():
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="transformer_blocks.1.attn"):
         with torch.no_grad():
             model(**inputs)
-
-
-def test_tune_writes_named_modules_names(tmp_path, monkeypatch):
-    """``tune`` writes each site's name into its rules: a model overriding ``__getattr__``
-    gets rules that match its ``named_modules()`` names."""
-    from qattn_compile.evaluation import Evaluator, load_inputs, tune
-    from qattn_compile.policy import load_policy
-
-    (tmp_path / "getattr_model.py").write_text(textwrap.dedent("""
-        import torch
-        from test_site_names import GetattrModel
-
-        def build():
-            torch.manual_seed(0)
-            return GetattrModel(layers=2).eval(), (torch.randn(1, 9, 16),)
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    result = tune(Evaluator(load_inputs("getattr_model:build"), device="cpu", fp_capture=True), 0.99)
-    assert sorted(c.fqn for c in result.choices) == ["blocks.0.attn1", "blocks.1.attn1"]
-    policy = load_policy(result.policy_text)
-    for choice in result.choices:
-        assert policy.decide(choice.fqn, "Attn").preset == choice.preset

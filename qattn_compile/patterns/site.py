@@ -180,7 +180,9 @@ class ModuleNames:
 
     @classmethod
     def of_traced_frame(cls, model: nn.Module | None = None) -> ModuleNames:
-        """Names for the graph dynamo is compiling now (the caller is a backend)."""
+        """Names for the graph dynamo is compiling now (the caller is a backend), in
+        ``model``, by default the compiled module (``torch.compile(model)``)."""
+        model = _compat.compiled_module() if model is None else model
         return cls(model, _compat.traced_frame_scope())
 
     def frame_module(self, gm: fx.GraphModule) -> nn.Module | None:
