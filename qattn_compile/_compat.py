@@ -125,7 +125,7 @@ def traced_frame_scope() -> tuple[dict, dict] | None:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
-        return dict(tx.f_locals), dict(tx.f_globals)
+        return tx.f_locals, tx.f_globals
     except Exception:  # noqa: BLE001 - any failure means: not reachable in this torch
         return None
 

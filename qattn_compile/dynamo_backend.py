@@ -179,7 +179,7 @@ class QattnBackend:
         if getattr(reason, "graph_break", False):
             why = f"the model has a graph break (graph {self._graphs - 1}: {getattr(reason, 'reason', '?')})"
         elif frame is not None and model is not None and frame is not model:
-            why = f"graph {self._graphs - 1} holds a part of the model (a block compiled on its own)"
+            why = f"graph {self._graphs - 1} holds a part of the model only (a block that runs as a frame of its own)"
         else:
             why = None
         if not self._partial and why:

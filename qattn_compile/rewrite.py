@@ -262,9 +262,10 @@ def _shared_decision(site: AttentionSite, key: str, decision: Decision, policy: 
         return d.options if site.refusal else options_for_site(d.preset, d.options, site_key, policy.source)
 
     ours, matched = options(decision, key), set(decision.matched_rules)
+    call = key[key.index("#"):] if "#" in key else ""  # the module's later calls: fqn#1, ...
     for other in site.serves:
         theirs = policy.decide(other, site.module_class)
-        if (theirs.preset, options(theirs, other + key[len(site.fqn):])) != (decision.preset, ours):
+        if (theirs.preset, options(theirs, other + call)) != (decision.preset, ours):
             raise PolicyError(
                 f"attention site {site.fqn} ({site.module_class}) and {other} run one compiled "
                 "graph (dynamo compiles a block once for all blocks of its class when the block "

@@ -13,8 +13,10 @@ from torch import nn
 
 import qattn_compile
 from qattn_compile import _compat, ops
+from qattn_compile.debug.table import site_row
 from qattn_compile.dynamo_backend import _backends, qattn_backend
 from qattn_compile.errors import OptionsError, PolicyError
+from qattn_compile.patterns import regions
 from qattn_compile.patterns.site import clean_fqn
 from qattn_compile.report import LEFT_ALONE, REWRITTEN
 
@@ -121,24 +123,33 @@ def test_a_rule_copied_from_named_modules_is_applied(model_class):
         torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
-def test_a_graph_break_inside_blocks_keeps_full_names_and_refuses_split_decisions():
+def test_a_graph_break_inside_blocks_keeps_full_names_and_serves_all_blocks():
     """After a graph break inside a block, dynamo compiles the block's frame once for all
-    blocks: its site is named as the compiled model names it, serves the other blocks, and a
-    policy that decides those blocks differently is refused instead of applied to all."""
+    blocks: its site is named as the compiled model names it and serves the other blocks."""
     model = GetattrModel(BreakingBlock).eval()
-    x = torch.randn(2, 5, 16)
     be = qattn_compile.backend(policy=_policy(("*attn1", "flash")), compiler="eager")
-    _run(model, lambda m: torch.compile(m, backend=be), x)
+    _run(model, lambda m: torch.compile(m, backend=be), torch.randn(2, 5, 16))
     (site,) = be.site_reports
     assert (site.fqn, site.serves, site.status) == ("blocks.0.attn1", ("blocks.1.attn1", "blocks.2.attn1"), REWRITTEN)
+    assert site_row(site)[0] == "blocks.0.attn1 (+2 sharing its graph)"
 
-    _compat.reset_dynamo()
-    split = qattn_compile.backend(policy=_policy(("*attn1", "flash"), ("blocks.2.attn1", "none")), compiler="eager")
+
+@pytest.mark.parametrize("rule, says", [
+    ({"match": "blocks.2.attn1", "preset": "none"}, "gets 'none' by rules[1]"),
+    ({"match": "blocks.2.attn1", "preset": "int_flash", "options": {"v_granularity": "tensor"}},
+     "gets 'int_flash' by rules[1] (match 'blocks.2.attn1') (other options)"),
+])
+def test_blocks_sharing_a_graph_but_decided_differently_are_refused(rule, says):
+    """One block's decision is never applied to another: the compile fails naming both."""
+    policy = _policy(("*attn1", "int_flash"))
+    policy["rules"].append(rule)
+    be = qattn_compile.backend(policy=policy, compiler="eager")
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as err:
-        _run(model, lambda m: torch.compile(m, backend=split), x)
+        _run(GetattrModel(BreakingBlock).eval(), lambda m: torch.compile(m, backend=be), torch.randn(2, 5, 16))
     assert isinstance(err.value.inner_exception, PolicyError)
     message = str(err.value.inner_exception)
-    assert "blocks.0.attn1" in message and "blocks.2.attn1" in message and "rules[1]" in message
+    assert "attention site blocks.0.attn1 (Attn) and blocks.2.attn1 run one compiled graph" in message
+    assert says in message
 
 
 def test_a_nested_compile_region_is_rewritten_for_all_its_blocks_or_refused():
@@ -168,11 +179,25 @@ def test_a_nested_compile_region_is_rewritten_for_all_its_blocks_or_refused():
         _run(model, lambda m: torch.compile(m, backend=split), x)
 
 
+@pytest.mark.parametrize(
+    "fqn, callers, serves",
+    [
+        ("blocks.0.attn1", ["blocks.0", "blocks.1", "blocks.2"], ("blocks.1.attn1", "blocks.2.attn1")),
+        ("blocks.0", ["blocks.0", "blocks.1"], ("blocks.1",)),
+        ("attn", ["", "encoder"], ("encoder.attn",)),
+        ("head.attn", ["blocks.0", "blocks.1"], None),  # not inside a caller: unknown
+    ],
+)
+def test_a_region_site_is_named_for_each_call(fqn, callers, serves):
+    assert regions.served(fqn, callers) == serves
+
+
 def test_blocks_compiled_one_by_one_get_full_names_with_the_model_option():
     model = Model(layers=2).eval()
     x = torch.randn(2, 5, 16)
-    be = qattn_compile.backend(policy=_policy(("blocks.*.attn1", "flash")), compiler="eager", strict=True,
-                               model=model)
+    # the second rule picks blocks.1 only, which runs block 0's graph: it counts as matched
+    policy = _policy(("blocks.*.attn1", "flash"), ("blocks.1.attn1", "flash"))
+    be = qattn_compile.backend(policy=policy, compiler="eager", strict=True, model=model)
     for block in model.blocks:
         block.compile(backend=be)
     with torch.no_grad():
@@ -180,7 +205,7 @@ def test_blocks_compiled_one_by_one_get_full_names_with_the_model_option():
         model(x)
     (site,) = be.site_reports  # one graph, reused for the second block
     assert (site.fqn, site.serves, site.status) == ("blocks.0.attn1", ("blocks.1.attn1",), REWRITTEN)
-    assert be.unmatched_rules() == []
+    assert site.matched_rules == (0, 1) and be.unmatched_rules() == []
     with torch.no_grad():
         reference = x
         for block in model.blocks:

@@ -41,16 +41,17 @@ def find_attention_sites(gm: fx.GraphModule, names: ModuleNames | None = None) -
 
 
 def _in_region(site: AttentionSite, callers: list[str]) -> AttentionSite:
-    """``site`` of a region's subgraph, serving the blocks of the region's other calls
-    (``callers``: the calls' module names); refused when those are not known."""
-    serves = regions.served(site.fqn, callers)
-    if serves is None:
+    """``site`` of a region's subgraph (its ``serves``: those of a region inside it), also
+    serving the blocks of the region's other calls (``callers``: the calls' module names);
+    refused when those are not known."""
+    mapped = [regions.served(name, callers) for name in (site.fqn, *site.serves)]
+    if any(m is None for m in mapped):
         site.refusal = site.refusal or (
             f"inside a nested compile region called by {', '.join(dict.fromkeys(callers))}: "
             "which module each call runs it for is not known"
         )
     else:
-        site.serves = tuple(dict.fromkeys((*site.serves, *serves)))
+        site.serves = tuple(dict.fromkeys([*site.serves, *(n for m in mapped for n in m)]))
     return site
 
 
