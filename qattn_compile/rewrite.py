@@ -257,27 +257,28 @@ def _shared_decision(site: AttentionSite, key: str, decision: Decision, policy: 
     cannot apply two decisions."""
     if not site.serves:
         return decision
+    theirs = {other: policy.decide(other, site.module_class) for other in site.serves}
+    if site.refusal is None:  # a refused site keeps its attention in every block: nothing to split
+        call = key[key.index("#"):] if "#" in key else ""  # a module's later calls: fqn#1, ...
 
-    def options(d: Decision, site_key: str):
-        return d.options if site.refusal else options_for_site(d.preset, d.options, site_key, policy.source)
+        def applied(d: Decision, site_key: str) -> tuple:
+            return d.preset, options_for_site(d.preset, d.options, site_key, policy.source)
 
-    ours, matched = options(decision, key), set(decision.matched_rules)
-    call = key[key.index("#"):] if "#" in key else ""  # the module's later calls: fqn#1, ...
-    for other in site.serves:
-        theirs = policy.decide(other, site.module_class)
-        if (theirs.preset, options(theirs, other + call)) != (decision.preset, ours):
-            raise PolicyError(
-                f"attention site {site.fqn} ({site.module_class}) and {other} run one compiled "
-                "graph (dynamo compiles a block once for all blocks of its class when the block "
-                "is a region of its own: compiled on its own, a nested compile region, or a "
-                "frame of its own after a graph break inside it), but "
-                f"policy {policy.source} decides them differently: {site.fqn} gets "
-                f"{decision.preset!r} by {decision.rule_text}, {other} gets {theirs.preset!r} by "
-                f"{theirs.rule_text}{'' if theirs.preset != decision.preset else ' (other options)'}. "
-                "Write rules that decide these blocks alike, or compile the whole model with "
-                "its blocks in no region of their own."
-            )
-        matched.update(theirs.matched_rules)
+        ours = applied(decision, key)
+        for other, their in theirs.items():
+            if applied(their, other + call) != ours:
+                raise PolicyError(
+                    f"attention site {site.fqn} ({site.module_class}) and {other} run one compiled "
+                    "graph (dynamo compiles a block once for all blocks of its class when the block "
+                    "is a region of its own: compiled on its own, a nested compile region, or a "
+                    f"frame of its own after a graph break inside it), but policy {policy.source} "
+                    f"decides them differently: {site.fqn} gets {decision.preset!r} by "
+                    f"{decision.rule_text}, {other} gets {their.preset!r} by {their.rule_text}"
+                    f"{' (other options)' if their.preset == decision.preset else ''}. Write rules "
+                    "that decide these blocks alike, or compile the whole model with its blocks in "
+                    "no region of their own."
+                )
+    matched = {i for d in (decision, *theirs.values()) for i in d.matched_rules}
     return dataclasses.replace(decision, matched_rules=tuple(sorted(matched)))
 
 

@@ -59,6 +59,19 @@ class BreakingBlock(Block):
         return x + self.attn1(x)
 
 
+class DropoutAttn(Attn):
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5).transpose(1, 2).reshape(b, n, d)
+
+
+class BreakingDropoutBlock(BreakingBlock):
+    def __init__(self, dim=16):
+        super().__init__(dim)
+        self.attn1 = DropoutAttn(dim)
+
+
 class RegionBlock(Block):
     forward = torch.compiler.nested_compile_region(Block.forward)
 
@@ -150,6 +163,17 @@ def test_blocks_sharing_a_graph_but_decided_differently_are_refused(rule, says):
     message = str(err.value.inner_exception)
     assert "attention site blocks.0.attn1 (Attn) and blocks.2.attn1 run one compiled graph" in message
     assert says in message
+
+
+def test_a_site_that_falls_back_may_serve_blocks_decided_differently():
+    """A shared site the finder refuses keeps the original attention in every block: there
+    is no decision to split, and the rules of every block it serves count as matched."""
+    policy = _policy(("*attn1", "int_flash"), ("blocks.2.attn1", "none"))
+    be = qattn_compile.backend(policy=policy, compiler="eager", strict=True)
+    _run(GetattrModel(BreakingDropoutBlock).eval(), lambda m: torch.compile(m, backend=be), torch.randn(2, 5, 16))
+    (site,) = be.site_reports
+    assert (site.fqn, site.status, site.matched_rules) == ("blocks.0.attn1", "fallback", (0, 1))
+    assert "dropout_p=0.5" in site.reason
 
 
 def test_a_nested_compile_region_is_rewritten_for_all_its_blocks_or_refused():
