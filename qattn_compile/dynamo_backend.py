@@ -173,19 +173,23 @@ class QattnBackend:
 
     def _check_unmatched(self, gm, names: ModuleNames) -> None:
         """The per-graph unmatched-rule check (class docstring). A graph of one block of
-        ``model`` (regional compilation) holds a part of the model, as after a graph break."""
+        ``model`` (regional compilation) holds a part of the model, as after a graph break;
+        that is said at INFO level unless ``strict`` goes unenforced (the usual way to
+        compile regionally, not a surprise)."""
         reason = getattr(gm, "compile_subgraph_reason", None)
         frame, model = names.frame_module(gm), names.model
+        level = logging.WARNING
         if getattr(reason, "graph_break", False):
             why = f"the model has a graph break (graph {self._graphs - 1}: {getattr(reason, 'reason', '?')})"
         elif frame is not None and model is not None and frame is not model:
             why = f"graph {self._graphs - 1} holds a part of the model only (a block that runs as a frame of its own)"
+            level = logging.WARNING if self.policy.strict else logging.INFO
         else:
             why = None
         if not self._partial and why:
             self._partial = True
-            log.warning(
-                "qattn: %s; rules are no longer checked per graph for matching no site%s. "
+            log.log(
+                level, "qattn: %s; rules are no longer checked per graph for matching no site%s. "
                 "Check once the model has run: qattn_compile.last_backend().unmatched_rules(), "
                 "the report file, or `qattn explain --strict`", why,
                 " (strict: true is not enforced)" if self.policy.strict else "")
