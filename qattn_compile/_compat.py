@@ -114,3 +114,49 @@ def size_hint(size) -> int | None:
         return size
     hint = getattr(getattr(size, "node", None), "hint", None)
     return None if hint is None else int(hint)
+
+
+def traced_frame_scope() -> tuple[dict, dict] | None:
+    """``(f_locals, f_globals)`` of the Python frame dynamo is turning into the graph the
+    backend is compiling now, or None when that is not known (called outside a dynamo
+    compile, or a torch whose tracer keeps them elsewhere). The roots of the module paths
+    in ``nn_module_stack`` (``L['self']``, ``G['model']``) are names in these scopes."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return tx.f_locals, tx.f_globals
+    except Exception:  # noqa: BLE001 - any failure means: not reachable in this torch
+        return None
+
+
+def compiled_module():
+    """The module whose ``torch.compile`` is running the frame dynamo traces now: the
+    innermost caller on the Python stack that is a compiled module's call, i.e. the
+    ``_orig_mod`` of an ``OptimizedModule`` (``torch.compile(model)``) or a module compiled in
+    place (``model.compile()``, whose ``_compiled_call_impl`` is set). None when no module
+    was compiled (``torch.compile(function)``) or none is found."""
+    import sys
+
+    import torch
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch._dynamo.OptimizedModule):
+                return owner._orig_mod
+            if (code.co_name == "_wrapped_call_impl" and isinstance(owner, torch.nn.Module)
+                    and getattr(owner, "_compiled_call_impl", None) is not None):
+                return owner
+        frame = frame.f_back
+    return None
+
+
+def invoke_subgraph_target():
+    """The higher-order op a ``torch.compiler.nested_compile_region`` call appears as in a
+    dynamo graph (``invoke_subgraph(subgraph, identifier, *operands)``), or None."""
+    import torch
+
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)

@@ -13,14 +13,18 @@ import functools
 import hashlib
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from . import _compat
 from .debug.trace import emit_site_report
 from .errors import OptionsError
+from .patterns import ModuleNames
 from .policy import DEFAULT_POLICY_PATH, Policy, load_policy
 from .report import SiteReport, write_report
 from .rewrite import rewrite_attention
@@ -38,6 +42,8 @@ OPTION_DOCS = {
     "rule's options say",
     "mode": "a torch.compile mode for Inductor (reduce-overhead, max-autotune, ...), for when "
     "torch.compile refuses mode= next to options=",
+    "model": "the whole model (an nn.Module), when its blocks are compiled on their own "
+    "(compile_repeated_blocks, torch.compile per block): sites get their names in it",
 }
 
 
@@ -51,6 +57,8 @@ class BackendOptions:
     mode: str | None = None
     autotune: bool | None = None
     """Overrides every rewritten site's ``autotune`` option when not None."""
+    model: weakref.ref | None = None
+    """The ``model`` option, held weakly (a cached backend must not keep a model alive)."""
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -78,8 +86,11 @@ class BackendOptions:
         mode = _parse_mode(options.get("mode"), compiler)
         if autotune is None and (mode or "").startswith("max-autotune"):
             autotune = True
+        model = options.get("model")
+        if model is not None and not isinstance(model, nn.Module):
+            raise OptionsError(f"option `model` must be the model (an nn.Module), got {type(model).__name__}")
         return cls(policy=policy, report=Path(report) if report else None, compiler=compiler,
-                   mode=mode, autotune=autotune)
+                   mode=mode, autotune=autotune, model=None if model is None else weakref.ref(model))
 
 
 def _parse_mode(mode: Any, compiler: str) -> str | None:
@@ -99,10 +110,18 @@ class QattnBackend:
 
     Rules that matched no site are warned about (an error with ``strict: true``) after each
     graph while the model has no graph break, i.e. while the graphs seen hold the whole
-    model. Once dynamo splits the model at a graph break, a later graph may still hold a
-    rule's sites: the check is then left to the caller, once the model has run
-    (:meth:`unmatched_rules`, the ``report`` file, ``qattn explain --strict``), and one
-    warning says so.
+    model. Once dynamo splits the model at a graph break (or compiles a block of the
+    ``model`` option on its own), a later graph may still hold a rule's sites: the check is
+    then left to the caller, once the model has run (:meth:`unmatched_rules`, the ``report``
+    file, ``qattn explain --strict``), and one warning says so.
+
+    Sites are named as ``named_modules()`` of the ``model`` option names their modules, or
+    without it, of the compiled module (``torch.compile(model)``, ``model.compile()``), so
+    that a block's frame that dynamo compiles on its own after a graph break still gets the
+    block's full name (:class:`~qattn_compile.patterns.ModuleNames`). A module outside that
+    tree is named in its own frame's module. A site whose compiled code serves several blocks
+    is decided once for all of them, and a :class:`~qattn_compile.errors.PolicyError` says so
+    when the policy would decide them differently.
     """
 
     def __init__(self, policy: Any = None, **options):
@@ -111,7 +130,7 @@ class QattnBackend:
         self.options = BackendOptions.parse(options)
         self.site_reports: list[SiteReport] = []
         self._graphs = 0
-        self._graph_break = False
+        self._partial = False  # a graph seen held a part of the model only
         self._warned: set[str] = set()  # the unmatched-rule lines already logged
 
     @property
@@ -126,14 +145,15 @@ class QattnBackend:
 
     def __call__(self, gm, example_inputs):
         _last[:] = [self]
+        names = self._names()
         reports = rewrite_attention(gm, self.policy, graph_index=self._graphs,
-                                    autotune=self.options.autotune)
+                                    autotune=self.options.autotune, names=names)
         self._graphs += 1
         self.site_reports.extend(reports)
         emit_site_report(reports, self.unmatched_rules(), self._graphs - 1)
         if self.options.report:
             write_report(self.options.report, self.site_reports, self.unmatched_rules())
-        self._check_unmatched(gm)
+        self._check_unmatched(gm, names)
         if self.options.compiler == "eager":
             return gm.forward
         return _compat.compile_with_inductor(
@@ -141,18 +161,39 @@ class QattnBackend:
             cache_key_tag=f"qattn-{package_digest()}",
         )
 
-    def _check_unmatched(self, gm) -> None:
-        """The per-graph unmatched-rule check (class docstring)."""
+    def _names(self) -> ModuleNames:
+        """How this graph's sites are named (class docstring)."""
+        model = self.options.model() if self.options.model is not None else None
+        names = ModuleNames.of_traced_frame(model)
+        if model is not None and names.scope is None:
+            log.warning("qattn: the traced frame is not reachable in this torch: sites are named "
+                        "in the `model` option's tree, but which blocks share a compiled graph "
+                        "is not known (the policy must decide a block class's blocks alike)")
+        return names
+
+    def _check_unmatched(self, gm, names: ModuleNames) -> None:
+        """The per-graph unmatched-rule check (class docstring). A graph of one block of
+        ``model`` (regional compilation) holds a part of the model, as after a graph break;
+        that is said at INFO level unless ``strict`` goes unenforced (the usual way to
+        compile regionally, not a surprise)."""
         reason = getattr(gm, "compile_subgraph_reason", None)
-        if not self._graph_break and getattr(reason, "graph_break", False):
-            self._graph_break = True
-            log.warning(
-                "qattn: the model has a graph break (graph %d: %s); rules are no longer "
-                "checked per graph for matching no site%s. Check once the model has run: "
-                "qattn_compile.last_backend().unmatched_rules(), the report file, or `qattn "
-                "explain --strict`", self._graphs - 1, getattr(reason, "reason", "?"),
+        frame, model = names.frame_module(gm), names.model
+        level = logging.WARNING
+        if getattr(reason, "graph_break", False):
+            why = f"the model has a graph break (graph {self._graphs - 1}: {getattr(reason, 'reason', '?')})"
+        elif frame is not None and model is not None and frame is not model:
+            why = f"graph {self._graphs - 1} holds a part of the model only (a block that runs as a frame of its own)"
+            level = logging.WARNING if self.policy.strict else logging.INFO
+        else:
+            why = None
+        if not self._partial and why:
+            self._partial = True
+            log.log(
+                level, "qattn: %s; rules are no longer checked per graph for matching no site%s. "
+                "Check once the model has run: qattn_compile.last_backend().unmatched_rules(), "
+                "the report file, or `qattn explain --strict`", why,
                 " (strict: true is not enforced)" if self.policy.strict else "")
-        if not self._graph_break:  # each rule warned about once, not once per graph
+        if not self._partial:  # each rule warned about once, not once per graph
             self._warned.update(self.policy.check_unmatched(self.matched_rules(), self._warned))
 
 
@@ -178,9 +219,11 @@ def package_digest() -> str:
 @dataclass
 class _CachedBackend:
     options: dict | None
-    """The dict ``torch.compile`` passed (kept alive, so its id is not reused)."""
+    """The dict ``torch.compile`` passed, kept alive so its id is not reused; None for a dict
+    holding a model (kept alive, it would keep the model alive: its snapshot's weak
+    reference tells a later dict at that id apart once the model is gone)."""
     snapshot: dict | None
-    """A copy of its contents when the backend was built."""
+    """A copy of its contents when the backend was built (modules as weak references)."""
     backend: QattnBackend
 
 
@@ -192,9 +235,17 @@ backend, and a new report, if dynamo compiles another of its graphs)."""
 _last: list[QattnBackend] = []
 
 
+def _comparable(options: dict | None) -> dict | None:
+    """``options`` with modules replaced by weak references to them (equal while alive)."""
+    if options is None:
+        return None
+    return {k: weakref.ref(v) if isinstance(v, nn.Module) else v for k, v in options.items()}
+
+
 def _snapshot(options: dict | None) -> dict | None:
-    """A copy of ``options`` to compare later calls with (a shallow one when a value cannot
-    be deep-copied)."""
+    """A copy of :func:`_comparable` ``options`` to compare later calls with (a shallow one
+    when a value cannot be deep-copied)."""
+    options = _comparable(options)
     if options is None:
         return None
     try:
@@ -214,11 +265,12 @@ def qattn_backend(gm, example_inputs, options: dict | None = None, mode: str | N
     """
     key = (id(options), mode)
     cached = _backends.get(key)
-    if cached is None or cached.snapshot != options:  # the entry keeps the dict (so its id) alive
+    if cached is None or cached.snapshot != _comparable(options):
         settings = dict(options or {})
         if mode is not None:  # torch.compile(mode=...) without options
             settings["mode"] = mode
-        cached = _CachedBackend(options, _snapshot(options), QattnBackend(**settings))
+        holds_model = any(isinstance(v, nn.Module) for v in settings.values())
+        cached = _CachedBackend(None if holds_model else options, _snapshot(options), QattnBackend(**settings))
         _backends[key] = cached
         while len(_backends) > _MAX_BACKENDS:
             _backends.popitem(last=False)

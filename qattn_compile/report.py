@@ -38,6 +38,7 @@ class SiteReport:
     gqa_source: str | None = None  # how K/V head sharing was found: repeat_kv, enable_gqa, ...
     causal_from_mask: bool = False  # the mask's causal part was proven and served as is_causal
     matched_rules: tuple[int, ...] = ()  # every rule matching the site (Decision.matched_rules)
+    serves: tuple[str, ...] = ()  # other modules running this site's compiled code (AttentionSite.serves)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -30,8 +30,8 @@ import torch
 from torch import fx
 
 from . import _compat, ops
-from .errors import UnsupportedSiteError
-from .patterns import AttentionSite, find_attention_sites
+from .errors import PolicyError, UnsupportedSiteError
+from .patterns import AttentionSite, ModuleNames, find_attention_sites
 from .patterns.masks import MaskSpec, split_causal
 from .patterns.nodes import example_value, mutates, shape_of, tensor_value
 from .policy import Decision, Policy
@@ -170,7 +170,8 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node], matched: list[fx.Node]) -
 def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report: SiteReport) -> None:
     """Replace ``site`` by the op with the preset and options of ``decision``."""
     preset = decision.preset
-    emit = _Emitter(gm.graph, site.anchor)
+    graph = site.anchor.graph  # gm's, or a nested compile region's subgraph's
+    emit = _Emitter(graph, site.anchor)
     q, k, v = _build_query(emit, site), _permuted(emit, site.k, site.k_dims), _permuted(emit, site.v, site.v_dims)
     spec, causal_from_mask = split_causal(site.mask)
     mask = _build_mask(emit, spec)
@@ -195,28 +196,31 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
         out = emit("squeeze", out, 0, method=True)
     out = _permuted(emit, out, site.out_dims)
     site.anchor.replace_all_uses_with(_cast_like(emit, out, site.anchor))
-    _erase_dead(gm.graph, [*site.chain, *site.mask.nodes()], matched=site.chain)
+    _erase_dead(graph, [*site.chain, *site.mask.nodes()], matched=site.chain)
 
 
 def rewrite_attention(
-    gm: fx.GraphModule, policy: Policy, graph_index: int = 0, autotune: bool | None = None
+    gm: fx.GraphModule, policy: Policy, graph_index: int = 0, autotune: bool | None = None,
+    names: ModuleNames | None = None,
 ) -> list[SiteReport]:
     """Rewrite every site ``policy`` chooses a preset for; report every site found.
 
     ``autotune`` (not None) overrides the ``autotune`` option of every rewritten site
-    (the backend option of that name).
+    (the backend option of that name). ``names`` names the sites (default: the traced
+    frame's module tree, :class:`~qattn_compile.patterns.ModuleNames`).
 
     Every site is decided first (in graph order); the chosen ones are then replaced from the
     last to the first, so that a site reading an earlier site's output (the next layer's
     attention) still holds valid nodes when it is replaced.
 
     Raises :class:`UnsupportedSiteError` for a site that cannot be served when the policy
-    says ``on_unsupported: error`` (before the graph is modified).
+    says ``on_unsupported: error``, and :class:`PolicyError` for a site whose compiled code
+    also serves modules the policy decides differently (both before the graph is modified).
     """
     reports, chosen = [], []
-    sites = find_attention_sites(gm)
+    sites = find_attention_sites(gm, names)
     for site, key in zip(sites, site_keys([s.fqn for s in sites])):
-        decision = policy.decide(site.fqn, site.module_class)
+        decision = _shared_decision(site, key, policy.decide(site.fqn, site.module_class), policy)
         if autotune is not None and isinstance(decision.options, KernelOptions):
             options = decision.options.model_copy(update={"autotune": autotune})
             decision = dataclasses.replace(decision, options=options)
@@ -232,9 +236,43 @@ def rewrite_attention(
             chosen.append((site, decision, report))
     for site, decision, report in reversed(chosen):
         _replace(gm, site, decision, report)
-    gm.graph.lint()
-    gm.recompile()
+    for graph in dict.fromkeys([gm.graph, *(site.anchor.graph for site, _, _ in chosen)]):
+        graph.lint()
+        graph.owning_module.recompile()
     return reports
+
+
+def _shared_decision(site: AttentionSite, key: str, decision: Decision, policy: Policy) -> Decision:
+    """``decision``, once every module the site's compiled code also serves
+    (:attr:`AttentionSite.serves`) is decided alike (calibrated per-site options included);
+    its ``matched_rules`` then count the rules matching those modules too. Raises
+    :class:`PolicyError` naming the first module decided otherwise: one compiled region
+    cannot apply two decisions."""
+    if not site.serves:
+        return decision
+    theirs = {other: policy.decide(other, site.module_class) for other in site.serves}
+    if site.refusal is None:  # a refused site keeps its attention in every block: nothing to split
+        call = key[key.index("#"):] if "#" in key else ""  # a module's later calls: fqn#1, ...
+
+        def applied(d: Decision, site_key: str) -> tuple:
+            return d.preset, options_for_site(d.preset, d.options, site_key, policy.source)
+
+        ours = applied(decision, key)
+        for other, their in theirs.items():
+            if applied(their, other + call) != ours:
+                raise PolicyError(
+                    f"attention site {site.fqn} ({site.module_class}) and {other} run one compiled "
+                    "graph (dynamo compiles a block once for all blocks of its class when the block "
+                    "is a region of its own: compiled on its own, a nested compile region, or a "
+                    f"frame of its own after a graph break inside it), but policy {policy.source} "
+                    f"decides them differently: {site.fqn} gets {decision.preset!r} by "
+                    f"{decision.rule_text}, {other} gets {their.preset!r} by {their.rule_text}"
+                    f"{' (other options)' if their.preset == decision.preset else ''}. Write rules "
+                    "that decide these blocks alike, or compile the whole model with its blocks in "
+                    "no region of their own."
+                )
+    matched = {i for d in (decision, *theirs.values()) for i in d.matched_rules}
+    return dataclasses.replace(decision, matched_rules=tuple(sorted(matched)))
 
 
 def _decide(site: AttentionSite, decision: Decision, policy: Policy, graph_index: int) -> SiteReport:
@@ -244,6 +282,7 @@ def _decide(site: AttentionSite, decision: Decision, policy: Policy, graph_index
     report = SiteReport(
         fqn=site.fqn,
         module_class=site.module_class,
+        serves=site.serves,
         pattern=site.pattern,
         source=site.source,
         shapes=site.shapes(),

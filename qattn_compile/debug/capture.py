@@ -17,7 +17,7 @@ from torch import fx
 
 from .. import _compat
 from ..errors import QattnError
-from ..patterns import find_attention_sites
+from ..patterns import find_attention_sites, regions
 from ..policy import DEFAULT_POLICY_PATH, Policy, load_policy
 from ..report import CAUSAL_MASK_NOTE, REWRITTEN, SiteReport
 from ..rewrite import rewrite_attention
@@ -102,7 +102,7 @@ def _qattn_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The op nodes the rewrite inserted, one per rewritten site, in graph order: the only
     nodes that carry ``meta["qattn"]`` provenance (a site's own casts and reshapes do not,
     and a site may read the previous site's op directly)."""
-    return [n for n in gm.graph.nodes if "qattn" in n.meta]
+    return [n for n in regions.walk(gm) if "qattn" in n.meta]
 
 
 def _locate(reports: list[SiteReport], before: list, outputs: list[fx.Node]) -> list[CapturedSite]:

@@ -110,8 +110,9 @@ def outcome(report: SiteReport) -> str:
 
 def site_row(report: SiteReport) -> tuple[str, ...]:
     """One table row, in the order of :data:`COLUMNS`."""
+    shared = f" (+{len(report.serves)} sharing its graph)" if report.serves else ""
     return (
-        report.fqn or "(top level)",
+        (report.fqn or "(top level)") + shared,
         report.module_class or "-",
         report.pattern,
         format_shapes(report.shapes),

@@ -44,6 +44,7 @@ from torch import fx
 from .. import _compat, ops
 from ..dynamo_backend import QattnBackend
 from ..errors import QattnError
+from ..patterns import regions
 from ..policy import Policy, load_policy
 from ..presets import options_from_json
 from ..reference import exact_attention
@@ -182,7 +183,7 @@ class CaptureBackend:
         inner._graphs = self._graphs
         inner(gm, example_inputs)  # rewrites gm in place (eager: returns gm.forward)
         reports = inner.site_reports
-        op_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops.graph_ops()]
+        op_nodes = [n for n in regions.walk(gm) if n.op == "call_function" and n.target in ops.graph_ops()]
         rewritten = [r for r in reports if r.status == REWRITTEN]
         if [n.meta.get("qattn", {}).get("fqn") for n in op_nodes] != [r.fqn for r in rewritten]:
             raise RuntimeError(
@@ -203,9 +204,10 @@ class CaptureBackend:
                 node.target = full_precision_attention
             else:
                 _fill_static_scales(node, key, self.policy.source)
-            with gm.graph.inserting_after(node):
-                gm.graph.call_function(_record, (token, slot, *node.args[:4], node))
-        gm.recompile()
+            with node.graph.inserting_after(node):  # gm's graph or a nested region's
+                node.graph.call_function(_record, (token, slot, *node.args[:4], node))
+        for graph in dict.fromkeys([gm.graph, *(n.graph for n in op_nodes)]):
+            graph.owning_module.recompile()
         _active[token] = (weakref.ref(self), keys)
         self.site_reports.extend(reports)
         self._graphs += 1

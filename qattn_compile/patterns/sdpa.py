@@ -3,7 +3,9 @@
 Every spelling dynamo records is read the same way: positional or keyword arguments,
 ``attn_mask`` None / bool / additive float of any broadcastable shape, ``is_causal``,
 ``scale`` (None, a float, or a run-time value such as ``.item()`` of a module attribute
-under ``dynamic=True``), ``enable_gqa`` and ``dropout_p`` (only 0 is served). K/V repeated
+under ``dynamic=True``), ``enable_gqa`` and ``dropout_p`` (only 0 is served, also a symbolic
+0: under ``dynamic=True`` a float default such as diffusers' ``dropout_p=0.0`` reaches SDPA
+as ``.item()`` of a graph input, which dynamo guards to be 0). K/V repeated
 by ``repeat_kv``/``repeat_interleave`` are traced back to the un-repeated tensors.
 """
 
@@ -15,7 +17,7 @@ from torch import fx
 from .. import _compat
 from . import gqa, masks
 from .masks import AdditiveTerm, KeepTerm, MaskSpec
-from .nodes import grad_refusal, same_size, shape_of, tensor_value
+from .nodes import example_value, grad_refusal, same_size, shape_of, tensor_value
 from .scaling import Factor, as_factor
 from .site import AttentionSite, module_of, source_of
 
@@ -26,10 +28,14 @@ _CONSTANT_ONLY = ("dropout_p", "is_causal", "enable_gqa")
 
 
 def _bound_args(node: fx.Node) -> dict:
-    """SDPA's arguments by parameter name, positional or keyword, defaults filled in."""
+    """SDPA's arguments by parameter name, positional or keyword, defaults filled in; a
+    symbolic ``dropout_p`` known (and guarded by dynamo) to be 0 as ``0.0``."""
     bound = dict(_DEFAULTS)
     bound.update(zip(SDPA_PARAMS, node.args, strict=False))
     bound.update(node.kwargs)
+    dropout = example_value(bound["dropout_p"])
+    if isinstance(dropout, (torch.SymFloat, torch.SymInt)) and _compat.statically_known_true(dropout == 0):
+        bound["dropout_p"] = 0.0
     return bound
 
 
