@@ -20,6 +20,7 @@ _PUBLIC = {
     "OptionsError": "errors",
     "UnsupportedSiteError": "errors",
     "ModelSpecError": "errors",
+    "AttentionInputError": "errors",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -141,7 +141,12 @@ class QattnBackend:
         return {i for r in self.site_reports for i in r.matched_rules}
 
     def unmatched_rules(self) -> list[str]:
-        return self.policy.unmatched_rules(self.matched_rules())
+        return self.policy.unmatched_rules(self.matched_rules(), self._sites())
+
+    def _sites(self) -> dict[str, str | None]:
+        """Each site's FQN and module class (for the closest names an unmatched rule's line
+        gives)."""
+        return {r.fqn: r.module_class for r in self.site_reports}
 
     def __call__(self, gm, example_inputs):
         _last[:] = [self]
@@ -194,7 +199,8 @@ class QattnBackend:
                 "the report file, or `qattn explain --strict`", why,
                 " (strict: true is not enforced)" if self.policy.strict else "")
         if not self._partial:  # each rule warned about once, not once per graph
-            self._warned.update(self.policy.check_unmatched(self.matched_rules(), self._warned))
+            self._warned.update(self.policy.check_unmatched(self.matched_rules(), self._warned,
+                                                            self._sites()))
 
 
 @functools.lru_cache(maxsize=1)

@@ -65,8 +65,9 @@ def _unsupported(site: AttentionSite, preset: str, options) -> str | None:
 
 
 def _tier_inputs(site: AttentionSite, decision: Decision) -> dict:
-    """What :func:`qattn_compile.ops.execution_path` weighs for a site: its preset and options, the op's shapes (size hints of symbolic sizes), dtype, whether a tensor
-    mask remains once causality is taken out, the softmax scale and causality."""
+    """What :func:`qattn_compile.ops.execution_path` weighs for a site: its preset and
+    options, the op's shapes (size hints of symbolic sizes), dtype, whether a tensor mask
+    remains once causality is taken out, the softmax scale and causality."""
     spec, causal_from_mask = split_causal(site.mask)
     dtype, _ = _site_dtype_device(site)
     shapes = [tuple(_compat.size_hint(d) or 0 for d in shape) for shape in _op_shapes(site)]
