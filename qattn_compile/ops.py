@@ -23,10 +23,13 @@ at rewrite time (:func:`execution_path`), so nothing falls back silently at run 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from .errors import PolicyError
+from .support import shape_refusal
 from .presets import PresetOptions, options_from_json
 
 OP_NAMESPACE = "qattn"
@@ -157,15 +160,13 @@ def unsupported_reason(
     q_shape, k_shape, v_shape, dtype: torch.dtype, device, preset: str, options
 ) -> str | None:
     """Why the op cannot serve these inputs on ``device``, or ``None`` when it can."""
-    if q_shape[-1] != k_shape[-1]:
-        return f"query head dim {q_shape[-1]} != key head dim {k_shape[-1]}"
-    if min(q_shape[-1], v_shape[-1]) < 1:
-        return f"head dim 0 (q {tuple(q_shape)}, v {tuple(v_shape)})"
-    if k_shape[-3] == 0 or q_shape[-3] % k_shape[-3]:
-        return f"query heads {q_shape[-3]} not a multiple of key/value heads {k_shape[-3]}"
     if tuple(q_shape[:-3]) != tuple(k_shape[:-3]) or tuple(k_shape[:-1]) != tuple(v_shape[:-1]):
         return (f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)} differ in batch "
                 "dims or k/v in heads or length (broadcast batches are not served)")
+    lead = math.prod(q_shape[:-3])
+    reason = shape_refusal((lead, *q_shape[-3:]), (lead, *k_shape[-3:]), (lead, *v_shape[-3:]))
+    if reason is not None:
+        return reason
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return f"dtype {dtype} (supported: float16, bfloat16, float32; float64 off CUDA)"
     if execution_path(device)[0] != "reference":

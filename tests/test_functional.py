@@ -387,3 +387,11 @@ def test_flash_keeps_a_nan_in_a_masked_key_out_where_sdpa_does_not():
     assert flash.isfinite().all()
     unmasked = exact_attention(q[:1, 1:2], k[:1, 1:2, :22], v[:1, 1:2, :22])
     torch.testing.assert_close(flash[0, 1], unmasked[0, 0].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_a_head_dim_the_gpu_refuses_is_refused_on_cpu_too():
+    """One support authority (qattn_compile.support): the CPU reference path refuses what the
+    GPU kernels refuse, naming the shape, instead of computing it here and failing there."""
+    q = torch.randn(1, 2, 8, 512)
+    with pytest.raises(ValueError, match=r"head dim 512 of q \(1, 2, 8, 512\)"):
+        qattn_compile.attention(q, q, q, preset="int_flash")

@@ -23,6 +23,7 @@ from ..blocks import (SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes, int_flash_gr
 from ..lowering.quantize import decomposed as lowered_decomposed
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
+from ..support import shape_refusal
 from . import attention as ak
 from . import autotune
 from .heuristics import (
@@ -57,7 +58,6 @@ from .tiers import Tier2Config, tier2_config, tier2_refusal
 logger = logging.getLogger(__name__)
 
 LOG2E = math.log2(math.e)
-MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_PRESETS = ("sage2_8b", "sage2_4b", "fp8")
 
@@ -378,23 +378,11 @@ def supports(q_shape, k_shape, v_shape, dtype, device, preset, options) -> str |
 
 
 def _unsupported(q_shape, k_shape, v_shape, dtype, device: torch.device, preset: str) -> str | None:
-    """:func:`supports` without the options checks (shapes, dtype, device, arch)."""
-    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
-        return (f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}: the kernels take "
-                "4-D [B, H, L, D]")
-    d, dv = q_shape[-1], v_shape[-1]
-    if k_shape[-1] != d:
-        return f"query head dim {d} != key head dim {k_shape[-1]}"
-    if min(d, dv) < 1:
-        return f"head dim 0 (q {tuple(q_shape)}, v {tuple(v_shape)})"
-    if max(d, dv) > MAX_HEAD_DIM:
-        return (f"head dim {max(d, dv)} of q {tuple(q_shape)} / v {tuple(v_shape)} > "
-                f"{MAX_HEAD_DIM}")
-    if q_shape[0] != k_shape[0] or tuple(k_shape[:3]) != tuple(v_shape[:3]):
-        return (f"batch/heads/length of q {tuple(q_shape)}, k {tuple(k_shape)}, "
-                f"v {tuple(v_shape)} disagree")
-    if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
-        return f"query heads {q_shape[1]} not a multiple of key/value heads {k_shape[1]}"
+    """:func:`supports` without the options checks: :func:`qattn_compile.support.shape_refusal`
+    plus the kernels' own limits (grid, dtype, device, arch)."""
+    reason = shape_refusal(q_shape, k_shape, v_shape)
+    if reason is not None:
+        return reason
     if q_shape[0] * q_shape[1] > MAX_GRID_AXIS or q_shape[2] > MAX_GRID_AXIS * MIN_BLOCK_M:
         return (f"q {tuple(q_shape)}: the kernel's grid holds at most {MAX_GRID_AXIS} batch × "
                 f"query heads and {MAX_GRID_AXIS} query tiles of {MIN_BLOCK_M} rows")
