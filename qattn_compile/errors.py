@@ -20,3 +20,8 @@ class UnsupportedSiteError(QattnError):
 class ModelSpecError(QattnError, ValueError):
     """A MODEL_SPEC (the model argument of the ``qattn`` commands) that names nothing
     loadable, or a ``module:callable`` that does not return ``(model, example_inputs)``."""
+
+
+class PolicyNotAppliedError(QattnError, RuntimeError):
+    """A model runs with ``attn_implementation="qattn"`` but no policy was applied to it
+    (``qattn_compile.integrations.transformers.apply_policy``), so its sites have no names."""

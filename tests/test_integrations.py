@@ -1,0 +1,312 @@
+"""The ways in without torch.compile: ``attn_implementation="qattn"`` (transformers) and
+``policy_scope`` (any model). Same policy, same site names as the compile backend."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qattn_compile
+from qattn_compile import functional
+from qattn_compile.errors import PolicyError, PolicyNotAppliedError, UnsupportedSiteError
+from qattn_compile.integrations.transformers import apply_policy
+from qattn_compile.metrics import compare
+
+LAYER0_EXACT = {"qattn": 1, "default": "int_flash",
+                "rules": [{"match": "model.layers.0.self_attn", "preset": "none"}]}
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """The (preset, query shape) of every call qattn serves, in order."""
+    calls = []
+    real = functional.attention
+
+    def spy(q, k, v, *args, preset, **options):
+        calls.append((preset, tuple(q.shape)))
+        return real(q, k, v, *args, preset=preset, **options)
+
+    monkeypatch.setattr(functional, "attention", spy)
+    return calls
+
+
+def _llama(cls_name="LlamaForCausalLM", layers=2, **extra):
+    import transformers
+
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     attn_implementation="sdpa", **extra)
+    return getattr(transformers, cls_name)(cfg).eval()
+
+
+def _batch(b=2, length=13, pad=4):
+    """Token ids and a left-padding mask (row 1 has ``pad`` padding tokens)."""
+    ids = torch.randint(1, 128, (b, length))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+def _logits(model, ids, mask):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+# ------------------------------------------------------------------------------------------
+# transformers: attn_implementation="qattn"
+# ------------------------------------------------------------------------------------------
+
+
+def test_apply_policy_decides_per_layer_by_module_names(served):
+    model = _llama(layers=3)
+    ids, mask = _batch()
+    policy = {"qattn": 1, "rules": [
+        {"module_class": "LlamaAttention", "preset": "int_flash"},
+        {"match": "model.layers.0.self_attn", "preset": "none"},
+        {"match": "re:model\\.layers\\.2\\..*", "preset": "sage2_8b"}]}
+    applied = apply_policy(model, policy)
+    assert model.config._attn_implementation == "qattn"
+    _logits(model, ids, mask)
+    assert served == [("int_flash", (2, 4, 13, 16)), ("sage2_8b", (2, 4, 13, 16))]
+    names = dict(model.named_modules())
+    reports = {r.fqn: r for r in applied.site_reports}
+    assert set(reports) == {f"model.layers.{i}.self_attn" for i in range(3)} <= set(names)
+    assert [reports[f"model.layers.{i}.self_attn"].preset for i in range(3)] == ["none", "int_flash", "sage2_8b"]
+    assert [r.status for r in applied.site_reports] == ["left_alone", "rewritten", "rewritten"]
+    assert reports["model.layers.1.self_attn"].gqa_group == 2
+    assert applied.unmatched_rules() == []
+    applied.remove()
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_an_exact_policy_gives_sdpa_bit_for_bit_and_a_quantized_one_the_preset_error(served):
+    model = _llama()
+    ids, mask = _batch()
+    reference = _logits(model, ids, mask)
+    applied = apply_policy(model, {"qattn": 1, "default": "none"})
+    assert torch.equal(_logits(model, ids, mask), reference) and served == []
+    applied.remove()
+    with qattn_compile.policy_scope(model, {"qattn": 1, "default": "int_flash"}):
+        scoped = _logits(model, ids, mask)  # the same reference kernels through the other entry
+    apply_policy(model, {"qattn": 1, "default": "int_flash"})
+    quantized = _logits(model, ids, mask)
+    assert torch.equal(quantized, scoped) and len(served) == 4
+    valid = mask.bool()
+    error = compare(quantized[valid], reference[valid])
+    assert 0 < error["rel_l1"] < 0.02 and error["cos"] > 0.999
+
+
+def test_generate_with_padding_and_gqa_serves_prefill_and_decode(served):
+    model = _llama()
+    ids, mask = _batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        reference = model.generate(ids, **kwargs)
+        apply_policy(model, LAYER0_EXACT)
+        out = model.generate(ids, **kwargs)
+    assert out.shape == reference.shape == (2, 17)
+    assert torch.equal(out[:, :13], ids)
+    # layer 1 only: the prefill, then one query per decode step, K/V never repeated
+    assert served == [("int_flash", (2, 4, 13, 16))] + [("int_flash", (2, 4, 1, 16))] * 3
+
+
+def test_flash_preset_follows_the_sliding_window_and_padding_masks():
+    """``flash`` is exact up to rounding: any mask transformers builds (left padding, a
+    sliding window of 5 over 13 tokens) that qattn dropped or misread would show."""
+    model = _llama("MistralForCausalLM", sliding_window=5)
+    ids, mask = _batch()
+    reference = _logits(model, ids, mask)
+    apply_policy(model, {"qattn": 1, "default": "flash"})
+    out = _logits(model, ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], reference[valid], atol=2e-5, rtol=1e-4)
+    model.set_attn_implementation("sdpa")
+    model.config.sliding_window = None  # without the window the logits differ: the test can fail
+    assert not torch.allclose(_logits(model, ids, mask)[valid], reference[valid], atol=1e-3)
+
+
+def test_training_calls_fall_back_with_a_reason(caplog, served):
+    model = _llama()
+    ids, mask = _batch()
+    applied = apply_policy(model, {"qattn": 1, "default": "int_flash"})
+    with caplog.at_level(logging.WARNING, logger="qattn_compile.integrations"):
+        out = model(ids, attention_mask=mask).logits  # grad mode on, weights require grad
+    assert served == [] and out.requires_grad
+    assert {r.status for r in applied.site_reports} == {"fallback"}
+    assert "query, key, value require grad with grad mode on" in applied.site_reports[0].reason
+    assert "model.layers.0.self_attn falls back to the original attention" in caplog.text
+    apply_policy(model, {"qattn": 1, "default": "int_flash", "on_unsupported": "error"})
+    with pytest.raises(UnsupportedSiteError, match=r"model.layers.0.self_attn \(LlamaAttention, "
+                                                   r"attn_implementation=\"qattn\"\) chose preset 'int_flash'"):
+        model(ids, attention_mask=mask)
+
+
+def test_a_model_loaded_with_qattn_needs_the_policy_applied():
+    model = _llama()
+    model.set_attn_implementation("qattn")
+    ids, mask = _batch()
+    with pytest.raises(PolicyNotAppliedError, match=r"LlamaAttention runs with attn_implementation=\"qattn\" "
+                                                     r"but no qattn policy names it: call .*apply_policy"):
+        _logits(model, ids, mask)
+    apply_policy(model, LAYER0_EXACT, set_attn_implementation=False)
+    assert _logits(model, ids, mask).isfinite().all()
+
+
+def test_apply_policy_refuses_a_model_without_sdpa_and_a_bad_policy():
+    model = _llama()
+    with pytest.raises(PolicyError, match="unknown preset 'int9'"):
+        apply_policy(model, {"qattn": 1, "default": "int9"})
+    assert model.config._attn_implementation == "sdpa"
+    type(model)._supports_sdpa, supports = False, type(model)._supports_sdpa
+    try:
+        with pytest.raises(ValueError, match="does not support attn_implementation=\"sdpa\""):
+            apply_policy(model)
+    finally:
+        type(model)._supports_sdpa = supports
+
+
+# ------------------------------------------------------------------------------------------
+# policy_scope: any model
+# ------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Self-attention through SDPA; ``preset`` set: through qattn directly (the expectation)."""
+
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.qkv, self.out, self.heads, self.preset = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads, None
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.preset:
+            o = qattn_compile.attention(q, k, v, preset=self.preset)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(32), Attention()
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class Denoiser(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.fail = False
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return x
+
+
+class Pipeline:
+    """A diffusers-like pipeline: a text encoder and a denoiser, both with attention."""
+
+    def __init__(self):
+        self.text_encoder, self.denoiser = Attention(), Denoiser()
+
+    def __call__(self, x):
+        return self.denoiser(self.text_encoder(x))
+
+
+BLOCK0 = {"qattn": 1, "rules": [{"match": "blocks.0.attn", "preset": "int_flash"}]}
+
+
+def _hooks(module):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+
+@torch.no_grad()
+def test_policy_scope_serves_matched_modules_only_and_leaves_the_text_encoder_exact(served):
+    pipe, x = Pipeline(), torch.randn(2, 11, 32)
+    reference = pipe(x)
+    pipe.denoiser.blocks[0].attn.preset = "int_flash"
+    expected = pipe(x)
+    pipe.denoiser.blocks[0].attn.preset = None
+    served.clear()
+    with qattn_compile.policy_scope(pipe.denoiser, BLOCK0) as scope:
+        out = pipe(x)
+    assert served == [("int_flash", (2, 2, 11, 16))]  # blocks.0.attn; not blocks.1, not the encoder
+    assert torch.equal(out, expected) and not torch.equal(out, reference)
+    assert [(r.fqn, r.module_class, r.status) for r in scope.site_reports] == [
+        ("blocks.0.attn", "Attention", "rewritten"), ("blocks.1.attn", "Attention", "left_alone")]
+    assert torch.equal(pipe(x), reference) and _hooks(pipe.denoiser) == 0  # nothing left behind
+
+
+@torch.no_grad()
+def test_policy_scope_names_and_decisions_equal_the_compile_backends():
+    from qattn_compile import _compat
+
+    model, x = Denoiser(), torch.randn(2, 11, 32)
+    policy = {"qattn": 1, "default": "sage2_8b", "rules": [{"match": "blocks.1.*", "preset": "none"}]}
+    with qattn_compile.policy_scope(model, policy) as scope:
+        eager = model(x)
+    backend = qattn_compile.backend(policy, compiler="eager")
+    _compat.reset_dynamo()
+    try:
+        compiled = torch.compile(model, backend=backend)(x)
+    finally:
+        _compat.reset_dynamo()
+    site = lambda r: (r.fqn, r.module_class, r.preset, r.status)  # noqa: E731
+    assert [site(r) for r in scope.site_reports] == [site(r) for r in backend.site_reports]
+    assert [r.status for r in scope.site_reports] == ["rewritten", "left_alone"]
+    torch.testing.assert_close(eager, compiled)
+
+
+def test_policy_scope_is_undone_on_an_exception_and_reusable():
+    model, x = Denoiser(), torch.randn(2, 11, 32)
+    scope = qattn_compile.policy_scope(model, BLOCK0)
+    model.fail = True
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), scope:
+        model(x)
+    assert _hooks(model) == 0
+    model.fail = False
+    with torch.no_grad():
+        reference = model(x)
+        with scope:
+            with pytest.raises(RuntimeError, match="already active"):
+                scope.__enter__()
+            quantized = model(x)
+    assert not torch.equal(quantized, reference) and torch.equal(model(x), reference)
+    assert [r.fqn for r in scope.site_reports] == ["blocks.0.attn", "blocks.1.attn"]
+
+
+@torch.no_grad()
+def test_nested_scopes_the_innermost_decides_once(served):
+    model, x = Denoiser(), torch.randn(2, 11, 32)
+    outer_policy = {"qattn": 1, "default": "sage2_8b"}
+    inner_policy = {"qattn": 1, "default": "none"}  # the inner scope keeps blocks.1 exact
+    with qattn_compile.policy_scope(model, outer_policy) as outer:
+        with qattn_compile.policy_scope(model.blocks[1], inner_policy) as inner:
+            model(x)
+    assert served == [("sage2_8b", (2, 2, 11, 16))]
+    assert [(r.fqn, r.status) for r in outer.site_reports] == [("blocks.0.attn", "rewritten")]
+    assert [(r.fqn, r.status) for r in inner.site_reports] == [("attn", "left_alone")]
+
+
+def test_policy_scope_falls_back_for_training_and_checks_strict_on_exit(caplog):
+    model, x = Denoiser(), torch.randn(2, 11, 32)
+    with qattn_compile.policy_scope(model, BLOCK0) as scope:
+        out = model(x)  # grad mode on: not served
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    assert scope.site_reports[0].status == "fallback" and "value require grad" in scope.site_reports[0].reason
+    strict = {**BLOCK0, "strict": True, "rules": BLOCK0["rules"] + [{"match": "*cross_attn", "preset": "fp8"}]}
+    with pytest.raises(PolicyError, match=r"rules\[1\] \(`\*cross_attn`\) matched no site"):
+        with torch.no_grad(), qattn_compile.policy_scope(model, strict):
+            model(x)
+    assert _hooks(model) == 0
