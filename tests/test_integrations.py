@@ -11,8 +11,14 @@ from torch import nn
 import qattn_compile
 from qattn_compile import functional
 from qattn_compile.errors import PolicyError, PolicyNotAppliedError, UnsupportedSiteError
-from qattn_compile.integrations.transformers import apply_policy
 from qattn_compile.metrics import compare
+
+
+def apply_policy(model, policy=None, **options):
+    """``qattn_compile.apply_policy``, imported on first use: transformers imports triton,
+    which the kernel tests' modules switch to the interpreter before its first import."""
+    return qattn_compile.apply_policy(model, policy, **options)
+
 
 LAYER0_EXACT = {"qattn": 1, "default": "int_flash",
                 "rules": [{"match": "model.layers.0.self_attn", "preset": "none"}]}
