@@ -56,11 +56,11 @@ class AppliedPolicy:
 
     ``site_reports``: one :class:`~qattn_compile.report.SiteReport` per attention site and
     outcome, as sites run; ``unmatched_rules()``: rules that matched no site run so far;
-    ``remove()``: forget the names and restore the model's previous attention implementation.
+    ``remove()``: forget the names and restore the previous attention implementations.
     """
 
-    def __init__(self, model, sites: EagerSites, previous: str | None):
-        self.model, self.sites, self._previous = model, sites, previous
+    def __init__(self, root: torch.nn.Module, sites: EagerSites, previous: list[tuple[Any, str]]):
+        self.model, self.sites, self._previous = root, sites, previous
 
     @property
     def policy(self) -> Policy:
@@ -77,41 +77,65 @@ class AppliedPolicy:
         for module in self.model.modules():
             if _BINDINGS.get(module, (None, None))[1] is self.sites:
                 del _BINDINGS[module]
-        if self._previous is not None and self.model.config._attn_implementation == ATTN_IMPLEMENTATION:
-            self.model.set_attn_implementation(self._previous)
+        for model, previous in self._previous:
+            if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+                model.set_attn_implementation(previous)
 
 
-def apply_policy(model, policy: Policy | str | os.PathLike | Mapping[str, Any] | None = None, *,
+def _transformers_models(root: torch.nn.Module) -> list:
+    """``root`` if it is a transformers model, else the outermost ones inside it."""
+    from transformers import PreTrainedModel
+
+    found, pending = [], [root]
+    while pending:
+        module = pending.pop(0)
+        if isinstance(module, PreTrainedModel):
+            found.append(module)
+        else:
+            pending.extend(module.children())
+    return found
+
+
+def apply_policy(model: torch.nn.Module,
+                 policy: Policy | str | os.PathLike | Mapping[str, Any] | None = None, *,
                  set_attn_implementation: bool = True) -> AppliedPolicy:
     """Apply ``policy`` to ``model``'s attention through ``attn_implementation="qattn"``.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention goes through
-            ``AttentionInterface`` (a ``torch.compile`` wrapper is unwrapped). Its
-            ``named_modules()`` names are the site names.
+            ``AttentionInterface``, or any module holding such models (a
+            ``SentenceTransformer``); a ``torch.compile`` wrapper is unwrapped. Its
+            ``named_modules()`` names are the site names, as when ``model`` is compiled.
         policy: a policy file path, YAML text, dict or :class:`~qattn_compile.Policy`
             (default: the bundled policy, ``sage2_8b`` on every site, as the backend's).
-        set_attn_implementation: call ``model.set_attn_implementation("qattn")`` (False when
-            the model was loaded with ``attn_implementation="qattn"`` or for a dict per
-            sub-model set by the caller).
+        set_attn_implementation: call ``set_attn_implementation("qattn")`` on the
+            transformers models (False when they were loaded with
+            ``attn_implementation="qattn"``, or for a per-sub-model dict set by the caller).
 
     Applying again (the same or another policy) replaces the names and policy.
-    Raises ``ValueError`` for a model that does not run transformers' ``sdpa`` attention.
+    Raises ``ValueError`` when ``model`` holds no transformers model, or one that does not
+    run transformers' ``sdpa`` attention.
     """
     register()
-    model = getattr(model, "_orig_mod", model)
-    if not getattr(model, "_supports_sdpa", False):
-        raise ValueError(
-            f"{type(model).__name__} does not support attn_implementation=\"sdpa\", which "
-            "attn_implementation=\"qattn\" serves; use torch.compile(model, backend=\"qattn\") "
-            "or qattn_compile.policy_scope(model, policy)")
+    root = getattr(model, "_orig_mod", model)
+    models = _transformers_models(root)
+    if not models:
+        raise ValueError(f"{type(root).__name__} is not and holds no transformers model; for any "
+                         "model use qattn_compile.policy_scope(model, policy)")
+    for found in models:
+        if not getattr(found, "_supports_sdpa", False):
+            raise ValueError(
+                f"{type(found).__name__} does not support attn_implementation=\"sdpa\", which "
+                "attn_implementation=\"qattn\" serves; use torch.compile(model, backend=\"qattn\") "
+                "or qattn_compile.policy_scope(model, policy)")
     sites = EagerSites(load_policy(DEFAULT_POLICY_PATH if policy is None else policy), ENTRY)
-    for fqn, module in model.named_modules():
+    for fqn, module in root.named_modules():
         _BINDINGS[module] = (fqn, sites)
-    previous = model.config._attn_implementation
-    if set_attn_implementation and previous != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return AppliedPolicy(model, sites, previous if previous != ATTN_IMPLEMENTATION else None)
+    previous = [(found, found.config._attn_implementation) for found in models
+                if set_attn_implementation and found.config._attn_implementation != ATTN_IMPLEMENTATION]
+    for found, _ in previous:
+        found.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return AppliedPolicy(root, sites, previous)
 
 
 def qattn_attention_forward(
