@@ -68,21 +68,23 @@ def _logits(model, ids, mask):
 
 
 def test_apply_policy_decides_per_layer_by_module_names(served):
-    model = _llama(layers=3)
+    model = _llama(layers=4)
     ids, mask = _batch()
-    policy = {"qattn": 1, "rules": [
+    policy = {"qattn": 1, "ignore": ["*layers.3.*"], "rules": [
         {"module_class": "LlamaAttention", "preset": "int_flash"},
         {"match": "model.layers.0.self_attn", "preset": "none"},
-        {"match": "re:model\\.layers\\.2\\..*", "preset": "sage2_8b"}]}
+        {"match": "re:model\\.layers\\.[23]\\..*", "preset": "sage2_8b"}]}
     applied = apply_policy(model, policy)
     assert model.config._attn_implementation == "qattn"
     _logits(model, ids, mask)
     assert served == [("int_flash", (2, 4, 13, 16)), ("sage2_8b", (2, 4, 13, 16))]
     names = dict(model.named_modules())
     reports = {r.fqn: r for r in applied.site_reports}
-    assert set(reports) == {f"model.layers.{i}.self_attn" for i in range(3)} <= set(names)
-    assert [reports[f"model.layers.{i}.self_attn"].preset for i in range(3)] == ["none", "int_flash", "sage2_8b"]
-    assert [r.status for r in applied.site_reports] == ["left_alone", "rewritten", "rewritten"]
+    assert set(reports) == {f"model.layers.{i}.self_attn" for i in range(4)} <= set(names)
+    assert [reports[f"model.layers.{i}.self_attn"].preset for i in range(4)] == ["none", "int_flash", "sage2_8b", "none"]
+    assert [r.status for r in applied.site_reports] == ["left_alone", "rewritten", "rewritten", "left_alone"]
+    assert reports["model.layers.3.self_attn"].rule == "ignore '*layers.3.*'"
+    assert "/models/llama/modeling_llama.py:" in reports["model.layers.1.self_attn"].source
     assert reports["model.layers.1.self_attn"].gqa_group == 2
     assert applied.unmatched_rules() == []
     applied.remove()
@@ -133,6 +135,33 @@ def test_flash_preset_follows_the_sliding_window_and_padding_masks():
     model.set_attn_implementation("sdpa")
     model.config.sliding_window = None  # without the window the logits differ: the test can fail
     assert not torch.allclose(_logits(model, ids, mask)[valid], reference[valid], atol=1e-3)
+
+
+def test_t5_position_bias_and_cross_attention_are_served():
+    """T5 adds its relative position bias to unscaled scores (``scaling=1``) and attends from
+    5 decoder tokens to 9 padded encoder tokens: ``flash`` matches sdpa only if qattn folds
+    the bias into the mask and keeps the scale."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                   relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
+                   attn_implementation="sdpa")
+    model = T5ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(1, 64, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding
+    decoder_ids = torch.randint(1, 64, (2, 5))
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        applied = apply_policy(model, {"qattn": 1, "default": "flash"})
+        out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3)
+    torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-4)
+    assert generated.shape == (2, 4)
+    sites = {r.fqn: (r.status, r.shapes["k"][2]) for r in applied.site_reports}
+    assert sites["decoder.block.1.layer.1.EncDecAttention"] == ("rewritten", 9)
+    assert len(sites) == 6 and {status for status, _ in sites.values()} == {"rewritten"}
 
 
 def test_training_calls_fall_back_with_a_reason(caplog, served):
@@ -251,6 +280,7 @@ def test_policy_scope_serves_matched_modules_only_and_leaves_the_text_encoder_ex
     assert torch.equal(out, expected) and not torch.equal(out, reference)
     assert [(r.fqn, r.module_class, r.status) for r in scope.site_reports] == [
         ("blocks.0.attn", "Attention", "rewritten"), ("blocks.1.attn", "Attention", "left_alone")]
+    assert scope.site_reports[0].source.startswith(f"{__file__}:")  # Attention.forward's SDPA call
     assert torch.equal(pipe(x), reference) and _hooks(pipe.denoiser) == 0  # nothing left behind
 
 

@@ -16,6 +16,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+import sys
 import threading
 from typing import Any
 
@@ -29,6 +31,10 @@ from ..policy import Decision, Policy
 from ..report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
 
 log = logging.getLogger("qattn_compile.integrations")
+
+_OWN_CODE = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                  for m in (sys.modules["qattn_compile"], torch))
+"""Where the frames between a model's attention call and :meth:`EagerSites.serve` live."""
 
 _claimed = threading.local()
 
@@ -116,7 +122,7 @@ class SdpaCall:
 class EagerSites:
     """A policy applied to attention calls made outside ``torch.compile``.
 
-    ``entry`` names the entry point in reports and log lines (``policy_scope``,
+    ``entry`` names the entry point in log lines and errors (``policy_scope``,
     ``attn_implementation="qattn"``). Thread-safe: decisions and reports are shared, a lock
     guards their first computation.
     """
@@ -207,7 +213,7 @@ class EagerSites:
             hq, hkv = (shapes[n][-3] if len(shapes.get(n, ())) >= 3 else None for n in ("q", "k"))
             served = status == REWRITTEN
             self._reports[(fqn, status, reason)] = SiteReport(
-                fqn=fqn, module_class=module_class, pattern="sdpa", source=self.entry,
+                fqn=fqn, module_class=module_class, pattern="sdpa", source=_caller_source(),
                 shapes=shapes,
                 dtype=str(call.query.dtype).replace("torch.", "") if isinstance(call.query, Tensor) else None,
                 mask_kind=call.mask_kind(),
@@ -225,3 +231,16 @@ class EagerSites:
             log.info("qattn (%s): %s -> %s (%s)", self.entry, fqn, decision.preset, decision.rule_text)
         else:
             log.info("qattn (%s): %s left alone: %s", self.entry, fqn, reason)
+
+
+def _caller_source() -> str | None:
+    """``file:line`` of the innermost frame outside qattn and torch: the model code that
+    called the attention (the ``source`` of a site's report, as dynamo's stack trace gives
+    it to the compile backend)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_OWN_CODE):
+            return f"{path}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
