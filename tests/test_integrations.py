@@ -137,6 +137,25 @@ def test_flash_preset_follows_the_sliding_window_and_padding_masks():
     assert not torch.allclose(_logits(model, ids, mask)[valid], reference[valid], atol=1e-3)
 
 
+def test_policy_scope_serves_the_prefill_of_a_flashq_cache_generate(served):
+    """Eager generate with the FlashQ cache: the prefill's SDPA gets the policy's preset,
+    decode steps read the packed cache (the flashq_decode op, no SDPA)."""
+    from qattn_compile.kvcache import FlashQCache
+
+    model = _llama()
+    model.set_attn_implementation("qattn_kv")
+    ids = torch.randint(1, 128, (2, 13))
+    policy = {"qattn": 1, "default": "turbo", "kv_cache": {"int2_heads": 1}}
+    cache = FlashQCache.from_policy(model, policy, max_cache_len=20)
+    with torch.no_grad(), qattn_compile.policy_scope(model, policy) as scope:
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 17) and int(cache.get_seq_length()) == 16
+    assert served == [("turbo", (2, 4, 13, 16))] * 2
+    assert [(r.fqn, r.status) for r in scope.site_reports] == [
+        ("model.layers.0.self_attn", "rewritten"), ("model.layers.1.self_attn", "rewritten")]
+
+
 def test_t5_position_bias_and_cross_attention_are_served():
     """T5 adds its relative position bias to unscaled scores (``scaling=1``) and attends from
     5 decoder tokens to 9 padded encoder tokens: ``flash`` matches sdpa only if qattn folds
