@@ -199,6 +199,28 @@ def test_training_calls_fall_back_with_a_reason(caplog, served):
         model(ids, attention_mask=mask)
 
 
+def test_compiling_a_qattn_model_hands_its_sdpa_to_the_backend(caplog, monkeypatch):
+    from qattn_compile import _compat
+    from qattn_compile.integrations import transformers as integration
+
+    model = _llama()
+    ids, mask = _batch()
+    applied = apply_policy(model, LAYER0_EXACT)
+    eager = _logits(model, ids, mask)
+    backend = qattn_compile.backend(LAYER0_EXACT, compiler="eager")
+    monkeypatch.setattr(integration, "_WARNED_COMPILING", [])
+    _compat.reset_dynamo()
+    try:
+        with caplog.at_level(logging.WARNING, logger="qattn_compile.integrations"):
+            compiled = _logits(torch.compile(model, backend=backend, fullgraph=True), ids, mask)
+    finally:
+        _compat.reset_dynamo()
+    site = lambda r: (r.fqn, r.module_class, r.preset, r.status)  # noqa: E731
+    assert [site(r) for r in backend.site_reports] == [site(r) for r in applied.site_reports]
+    torch.testing.assert_close(compiled, eager)
+    assert caplog.text.count('under torch.compile attn_implementation="qattn" runs transformers\' sdpa') == 1
+
+
 def test_a_model_loaded_with_qattn_needs_the_policy_applied():
     model = _llama()
     model.set_attn_implementation("qattn")

@@ -28,7 +28,6 @@ decided by the innermost scope whose model is running, and no other scope decide
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -41,8 +40,6 @@ from torch.overrides import TorchFunctionMode
 from ..policy import DEFAULT_POLICY_PATH, Policy, load_policy
 from ..report import SiteReport
 from .sites import EagerSites, SdpaCall, claimed, is_claimed
-
-log = logging.getLogger("qattn_compile.integrations")
 
 ENTRY = "policy_scope"
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -173,7 +170,9 @@ class policy_scope:  # noqa: N801 - used like a function: `with policy_scope(mod
     # ----------------------------------------------------------------- SDPA calls
 
     def _attention(self, args: tuple, kwargs: dict):
-        """qattn's output for an SDPA call of the model, or None to run the original."""
+        """The output of an SDPA call: qattn's, or the original's (which no enclosing scope
+        decides again) where the policy leaves the site alone or qattn cannot serve it.
+        None for a call the model did not make (the caller runs it as is)."""
         stack = self._stack()
         if not stack:
             return None  # not made by the model: left to an enclosing scope or SDPA
