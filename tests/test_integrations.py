@@ -326,22 +326,28 @@ def test_policy_scope_serves_matched_modules_only_and_leaves_the_text_encoder_ex
 
 
 @torch.no_grad()
-def test_policy_scope_names_and_decisions_equal_the_compile_backends():
+def test_policy_scope_names_and_decisions_equal_the_compile_backends(caplog, monkeypatch):
+    """Compiled inside a scope, the model's SDPA calls go to the backend (fullgraph: the
+    scope's hooks and mode add no graph break), which decides them alike."""
     from qattn_compile import _compat
+    from qattn_compile.integrations import eager as integration
 
     model, x = Denoiser(), torch.randn(2, 11, 32)
     policy = {"qattn": 1, "default": "sage2_8b", "rules": [{"match": "blocks.1.*", "preset": "none"}]}
     with qattn_compile.policy_scope(model, policy) as scope:
         eager = model(x)
     backend = qattn_compile.backend(policy, compiler="eager")
+    monkeypatch.setattr(integration, "_WARNED_COMPILING", [])
     _compat.reset_dynamo()
     try:
-        compiled = torch.compile(model, backend=backend)(x)
+        with qattn_compile.policy_scope(model, policy) as around, caplog.at_level(logging.WARNING):
+            compiled = torch.compile(model, backend=backend, fullgraph=True)(x)
     finally:
         _compat.reset_dynamo()
     site = lambda r: (r.fqn, r.module_class, r.preset, r.status)  # noqa: E731
     assert [site(r) for r in scope.site_reports] == [site(r) for r in backend.site_reports]
     assert [r.status for r in scope.site_reports] == ["rewritten", "left_alone"]
+    assert around.site_reports == [] and caplog.text.count("policy_scope leaves the SDPA calls") == 1
     torch.testing.assert_close(eager, compiled)
 
 

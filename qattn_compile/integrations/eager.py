@@ -21,6 +21,9 @@ Leaving the block (also by an exception) removes the hooks and the mode; nothing
 the block changes (no global patch, no other thread affected). Only SDPA calls are seen:
 attention written as ``softmax(q @ k.T) @ v`` is found by the compile backend alone.
 
+A model compiled with ``torch.compile`` runs its SDPA calls inside the scope as compiled
+(a warning says so once): ``backend="qattn"`` decides them by its own policy.
+
 Nesting: a scope may be entered again after it was left (reports accumulate), not while it
 is active. Scopes on different models (or on one model and its submodule) nest; a call is
 decided by the innermost scope whose model is running, and no other scope decides it again.
@@ -28,6 +31,7 @@ decided by the innermost scope whose model is running, and no other scope decide
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -37,9 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .. import _compat
 from ..policy import DEFAULT_POLICY_PATH, Policy, load_policy
 from ..report import SiteReport
 from .sites import EagerSites, SdpaCall, claimed, is_claimed
+
+log = logging.getLogger("qattn_compile.integrations")
 
 ENTRY = "policy_scope"
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -69,10 +76,26 @@ class _SdpaMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and not is_claimed():
-            out = self.scope._attention(args, kwargs)
-            if out is not None:
-                return out
+            if torch.compiler.is_compiling():
+                _compat.while_tracing(_warn_compiling)
+            else:
+                out = self.scope._attention(args, kwargs)
+                if out is not None:
+                    return out
         return func(*args, **kwargs)
+
+
+_WARNED_COMPILING: list[bool] = []
+
+
+def _warn_compiling(_context) -> None:
+    """Run while dynamo traces an SDPA call inside a scope: says once per process that the
+    compile backend decides it."""
+    if not _WARNED_COMPILING:
+        _WARNED_COMPILING.append(True)
+        log.warning("qattn: policy_scope leaves the SDPA calls of a compiled model to the "
+                    "compile backend: backend=\"qattn\" decides them by its own policy, any "
+                    "other backend leaves them exact")
 
 
 class policy_scope:  # noqa: N801 - used like a function: `with policy_scope(model, policy):`
@@ -156,11 +179,14 @@ class policy_scope:  # noqa: N801 - used like a function: `with policy_scope(mod
 
     def _pre_hook(self, fqn: str):
         def push(module, args):
-            self._stack().append(_Frame(module, fqn))
+            if not torch.compiler.is_compiling():  # compiled: the backend names the sites
+                self._stack().append(_Frame(module, fqn))
         return push
 
     def _post_hook(self):
         def pop(module, args, output):
+            if torch.compiler.is_compiling():
+                return
             stack = self._stack()
             while stack:  # down to this module's frame (a frame left by a failed call included)
                 if stack.pop().module is module:
