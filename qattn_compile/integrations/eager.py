@@ -31,7 +31,6 @@ decided by the innermost scope whose model is running, and no other scope decide
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -44,9 +43,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _compat
 from ..policy import DEFAULT_POLICY_PATH, Policy, load_policy
 from ..report import SiteReport
-from .sites import EagerSites, SdpaCall, claimed, is_claimed
-
-log = logging.getLogger("qattn_compile.integrations")
+from .sites import EagerSites, SdpaCall, claimed, is_claimed, warn_compiled
 
 ENTRY = "policy_scope"
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -77,25 +74,12 @@ class _SdpaMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and not is_claimed():
             if torch.compiler.is_compiling():
-                _compat.while_tracing(_warn_compiling)
+                _compat.while_tracing(warn_compiled)
             else:
                 out = self.scope._attention(args, kwargs)
                 if out is not None:
                     return out
         return func(*args, **kwargs)
-
-
-_WARNED_COMPILING: list[bool] = []
-
-
-def _warn_compiling(_context) -> None:
-    """Run while dynamo traces an SDPA call inside a scope: says once per process that the
-    compile backend decides it."""
-    if not _WARNED_COMPILING:
-        _WARNED_COMPILING.append(True)
-        log.warning("qattn: policy_scope leaves the SDPA calls of a compiled model to the "
-                    "compile backend: backend=\"qattn\" decides them by its own policy, any "
-                    "other backend leaves them exact")
 
 
 class policy_scope:  # noqa: N801 - used like a function: `with policy_scope(model, policy):`

@@ -119,6 +119,22 @@ class SdpaCall:
         return "+".join(kinds) or "none"
 
 
+_WARNED_COMPILED: list[bool] = []
+
+
+def warn_compiled(_context) -> None:
+    """Run (through :func:`qattn_compile._compat.while_tracing`) when dynamo traces an
+    attention call an eager entry point would have served: says once per process that the
+    compile backend decides it."""
+    if not _WARNED_COMPILED:
+        _WARNED_COMPILED.append(True)
+        log.warning(
+            "qattn: under torch.compile, policy_scope and attn_implementation=\"qattn\" leave "
+            "the attention to the compile backend (transformers' sdpa for the latter, "
+            "generate's compiled decode steps included): backend=\"qattn\" decides it by its "
+            "own policy, any other backend leaves it exact")
+
+
 class EagerSites:
     """A policy applied to attention calls made outside ``torch.compile``.
 

@@ -35,7 +35,6 @@ SDPA call, under the same site name), any other backend leaves the attention exa
 
 from __future__ import annotations
 
-import logging
 import os
 import weakref
 from collections.abc import Mapping
@@ -48,9 +47,7 @@ from .. import _compat
 from ..errors import PolicyNotAppliedError
 from ..policy import DEFAULT_POLICY_PATH, Policy, load_policy
 from ..report import SiteReport
-from .sites import EagerSites, SdpaCall, claimed
-
-log = logging.getLogger("qattn_compile.integrations")
+from .sites import EagerSites, SdpaCall, claimed, warn_compiled
 
 ATTN_IMPLEMENTATION = "qattn"
 """The name to give ``attn_implementation`` / ``set_attn_implementation``."""
@@ -167,7 +164,7 @@ def qattn_attention_forward(
     from transformers.integrations.sdpa_attention import create_position_bias_mask, sdpa_attention_forward
 
     if torch.compiler.is_compiling():  # traced (generate's auto-compile, torch.compile(model))
-        _compat.while_tracing(_warn_compiling)
+        _compat.while_tracing(warn_compiled)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     binding = _BINDINGS.get(module)
@@ -203,21 +200,6 @@ def qattn_attention_forward(
     if out is None:
         return original()
     return out.transpose(1, 2).contiguous(), None
-
-
-_WARNED_COMPILING: list[bool] = []
-
-
-def _warn_compiling(_context) -> None:
-    """Run while dynamo traces the function (see :func:`qattn_attention_forward`): says once
-    per process what a compiled model runs."""
-    if not _WARNED_COMPILING:
-        _WARNED_COMPILING.append(True)
-        log.warning(
-            'qattn: under torch.compile attn_implementation="qattn" runs transformers\' sdpa '
-            "attention (generate's compiled decode steps with a static cache included): the "
-            "compile backend decides it, backend=\"qattn\" by its own policy, any other backend "
-            "leaves it exact")
 
 
 def register() -> None:
