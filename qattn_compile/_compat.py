@@ -116,7 +116,6 @@ def size_hint(size) -> int | None:
     return None if hint is None else int(hint)
 
 
-
 def while_tracing(fn) -> None:
     """Call ``fn(context)`` when dynamo traces this call (at compile time: not in the graph,
     no graph break); a no-op when not tracing. ``fn``: a function without free variables."""
