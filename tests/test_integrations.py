@@ -487,3 +487,31 @@ def test_sentence_transformers_st_compile_and_the_eager_entries_apply_the_policy
 def test_sentence_transformers_site_names_are_the_backends(sentence_runs):
     _, _, reports = sentence_runs
     assert [r.fqn for r in reports["compiled"].site_reports] == [r.fqn for r in reports["scope"].site_reports]
+
+
+@torch.no_grad()
+def test_a_modules_second_sdpa_call_has_its_own_calibration_key(monkeypatch):
+    """As the rewrite keys the sites of one graph (calibrate.site_keys): `fqn`, then `fqn#1`
+    for the module's next call in the same forward, and again `fqn` in the next forward."""
+    from qattn_compile.integrations import sites
+
+    keys = []
+    real = sites.options_for_site
+
+    def spy(preset, options, key, source=None):
+        keys.append(key)
+        return real(preset, options, key, source)
+
+    monkeypatch.setattr(sites, "options_for_site", spy)
+
+    class Twice(nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(F.scaled_dot_product_attention(q, q, q), q, q)
+
+    model = nn.Sequential(Twice())
+    q = torch.randn(1, 2, 5, 16)
+    with qattn_compile.policy_scope(model, {"qattn": 1, "default": "int_flash"}) as scope:
+        model(q)
+        model(q)
+    assert keys == ["0", "0#1"]  # decided once per key
+    assert [(r.fqn, r.status) for r in scope.site_reports] == [("0", "rewritten")]
