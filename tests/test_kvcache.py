@@ -648,6 +648,10 @@ def test_reusing_a_cache_for_a_new_prompt_says_to_reset_it():
     with pytest.raises(ValueError, match=rf"{stored} stored \+ {20 - stored} new tokens exceed max_cache_len=16\. "
                                          r".*call cache\.reset\(\) before a new prompt .*max_cache_len >= 20"):
         _generate(model, longer, cache, tokens=4)
+    with pytest.raises(ValueError, match=r"A cache keeps its tokens across generate\(\) calls.*call cache\.reset\(\)"):
+        _generate(model, ids, cache, tokens=8)  # the same prompt again: generate sees it as cached
+    with pytest.raises(ValueError, match=rf"a forward of 0 new tokens after {int(cache.get_seq_length())} stored\. "):
+        cache.layers[0].get_mask_sizes(0)  # what generate runs for a prompt the cache holds whole
     cache.reset()
     assert cache.get_seq_length() == 0
     assert torch.equal(_generate(model, ids, cache, tokens=8), first)

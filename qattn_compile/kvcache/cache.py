@@ -162,10 +162,8 @@ class FlashQLayer(CacheLayerMixin):
             stored = int(self.length)
             raise ValueError(
                 f"FlashQ cache: {stored} stored + {tokens} new tokens exceed "
-                f"max_cache_len={self.max_cache_len}. A cache keeps its tokens across generate() "
-                f"calls, and generate() takes them as the first {stored} tokens of the next "
-                "prompt: call cache.reset() before a new prompt (or make a new cache); to "
-                f"continue this sequence, make the cache with max_cache_len >= {stored + tokens}"
+                f"max_cache_len={self.max_cache_len}. {_reuse_hint(stored)}; to continue this "
+                f"sequence, make the cache with max_cache_len >= {stored + tokens}"
             )
         if tokens <= MAX_STEP_TOKENS:
             for i in range(tokens):
@@ -272,7 +270,12 @@ class FlashQLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ cache API
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """Masks span the whole static capacity (as ``StaticLayer``)."""
+        """Masks span the whole static capacity (as ``StaticLayer``). A forward of no token
+        on a filled layer (``generate`` given a cache that holds the whole prompt) raises."""
+        if query_length == 0 and self.prefilled:
+            stored = int(self.length)
+            raise ValueError(f"FlashQ cache: a forward of 0 new tokens after {stored} stored. "
+                             f"{_reuse_hint(stored)}")
         return self.max_cache_len, 0
 
     def get_seq_length(self) -> Tensor | int:
@@ -382,6 +385,13 @@ class FlashQCache(Cache):
             view = FlashQView(layer, key_states, value_states, prefill)
             return view, view
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _reuse_hint(stored: int) -> str:
+    """What to do with a cache reused for a new prompt (its ``stored`` tokens kept)."""
+    return (f"A cache keeps its tokens across generate() calls, and generate() takes them as "
+            f"the first {stored} tokens of the next prompt: call cache.reset() before a new "
+            "prompt (or make a new cache)")
 
 
 def _kv_heads(config) -> int:
