@@ -10,6 +10,8 @@ from importlib import import_module
 
 _PUBLIC = {
     "attention": "functional",
+    "policy_scope": "integrations.eager",
+    "apply_policy": "integrations.transformers",
     "backend": "dynamo_backend",
     "last_backend": "dynamo_backend",
     "Policy": "policy",
@@ -19,6 +21,7 @@ _PUBLIC = {
     "PolicyError": "errors",
     "OptionsError": "errors",
     "UnsupportedSiteError": "errors",
+    "PolicyNotAppliedError": "errors",
     "ModelSpecError": "errors",
     "AttentionInputError": "errors",
 }

@@ -160,3 +160,11 @@ def invoke_subgraph_target():
     import torch
 
     return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
+def while_tracing(fn) -> None:
+    """Call ``fn(context)`` when dynamo traces this call (at compile time: not in the graph,
+    no graph break); a no-op when not tracing. ``fn``: a function without free variables."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(fn)

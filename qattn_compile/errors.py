@@ -26,3 +26,8 @@ class AttentionInputError(QattnError, RuntimeError, ValueError):
     """Tensors the eager ``qattn_compile.attention`` cannot take (shapes, dtypes, devices,
     mask): a RuntimeError, as ``F.scaled_dot_product_attention`` raises for them, and a
     ValueError, as qattn raises for other bad input."""
+
+
+class PolicyNotAppliedError(QattnError, RuntimeError):
+    """A model runs with ``attn_implementation="qattn"`` but no policy was applied to it
+    (``qattn_compile.integrations.transformers.apply_policy``), so its sites have no names."""

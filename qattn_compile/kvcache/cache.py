@@ -22,6 +22,10 @@ What ``update`` returns, i.e. which attention runs:
   dequantized cache afterwards. Correct everywhere, but it materializes a float copy of the
   cache at every step.
 
+A cache holds one sequence per batch row. ``generate`` takes what a cache passed to it holds
+as the start of the prompt (prefix reuse), so a cache reused for a new prompt must be emptied
+first: ``cache.reset()`` (storage kept; the next update is a prefill again).
+
 Decode-step cost besides attention: the new token is quantized into the INT8 buffer and the
 whole buffer (``n_b`` tokens) is compressed into the block slot it will occupy. The slot is
 only read once the buffer is full, so this is the "compress when full" rule without a
@@ -42,7 +46,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer, Static
 from .. import _compat
 from ..blocks import KV_CACHE_BLOCK
 from ..errors import PolicyError
-from ..policy import KVCacheLayer, load_policy
+from ..policy import KVCacheLayer, KVCachePolicy, load_policy, match_pattern
 from . import flashq
 from .priority import assign_int2_heads
 
@@ -155,10 +159,11 @@ class FlashQLayer(CacheLayerMixin):
             self.prefilled = True
             return True
         if not torch.compiler.is_compiling() and int(self.length) + tokens > self.max_cache_len:
+            stored = int(self.length)
             raise ValueError(
-                f"FlashQ cache: {int(self.length)} stored + {tokens} new tokens exceed "
-                f"max_cache_len={self.max_cache_len}; make the cache for the prompt plus the "
-                "tokens to generate"
+                f"FlashQ cache: {stored} stored + {tokens} new tokens exceed "
+                f"max_cache_len={self.max_cache_len}. {_reuse_hint(stored)}; to continue this "
+                f"sequence, make the cache with max_cache_len >= {stored + tokens}"
             )
         if tokens <= MAX_STEP_TOKENS:
             for i in range(tokens):
@@ -265,7 +270,12 @@ class FlashQLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ cache API
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """Masks span the whole static capacity (as ``StaticLayer``)."""
+        """Masks span the whole static capacity (as ``StaticLayer``). A forward of no token
+        on a filled layer (``generate`` given a cache that holds the whole prompt) raises."""
+        if query_length == 0 and self.prefilled:
+            stored = int(self.length)
+            raise ValueError(f"FlashQ cache: a forward of 0 new tokens after {stored} stored. "
+                             f"{_reuse_hint(stored)}")
         return self.max_cache_len, 0
 
     def get_seq_length(self) -> Tensor | int:
@@ -310,7 +320,8 @@ class FlashQCache(Cache):
         settings: one :class:`~qattn_compile.policy.KVCacheLayer` for every layer, or a list
             with one per layer (default: INT4 on every head, ``n_b = KV_CACHE_BLOCK``).
             Layers with ``format: none``, and sliding-window layers, get transformers'
-            static layers (model dtype).
+            static layers (model dtype). An ``int2_heads`` above the model's kv heads per
+            layer is capped there (every head in INT2), with a warning.
     """
 
     def __init__(self, config, max_cache_len: int, settings: KVCacheLayer | list[KVCacheLayer] | None = None):
@@ -322,6 +333,8 @@ class FlashQCache(Cache):
             settings = [settings] * n_layers
         if len(settings) != n_layers:
             raise ValueError(f"{len(settings)} layer settings for a model with {n_layers} layers")
+        settings = _clamp_int2_heads(settings, _kv_heads(config),
+                                    [("FlashQCache settings", f"layer {i}") for i in range(n_layers)])
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
         layers: list[CacheLayerMixin] = []
         for setting, kind in zip(settings, layer_types):
@@ -343,28 +356,25 @@ class FlashQCache(Cache):
 
         Layers are named by their attention module's FQN (modules with an int ``layer_idx``
         whose class name contains "Attention"), the names the policy's ``match`` patterns see.
+        An ``int2_heads`` above the model's kv heads is capped, with a warning naming the
+        policy entry that set it and the layers.
         """
         policy = load_policy(policy)
         if policy.kv_cache is None:
             raise PolicyError(f"policy {policy.source} has no `kv_cache:` block")
         model = getattr(model, "_orig_mod", model)
         config = model.config.get_text_config(decoder=True)
-        settings = [policy.kv_cache.defaults()] * config.num_hidden_layers
-        names = [f"layer {i}" for i in range(config.num_hidden_layers)]
+        kv = policy.kv_cache
+        settings = [kv.defaults()] * config.num_hidden_layers
+        labels = [(f"policy {policy.source}: kv_cache", f"layer {i}")
+                  for i in range(config.num_hidden_layers)]
         for fqn, module in model.named_modules():
             index = getattr(module, "layer_idx", None)
             if isinstance(index, int) and "attention" in type(module).__name__.lower():
-                settings[index] = policy.kv_cache.for_layer(fqn)
-                names[index] = f"{fqn} (layer {index})"
+                settings[index] = kv.for_layer(fqn)
+                labels[index] = (f"policy {policy.source}: {_int2_origin(kv, fqn)}", f"{fqn} (layer {index})")
                 log.info("kv cache %s (layer %d): %s", fqn, index, settings[index])
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        for name, setting in zip(names, settings):
-            if setting.format == "flashq" and setting.int2_heads > kv_heads:
-                raise PolicyError(
-                    f"policy {policy.source}: kv_cache gives {name} int2_heads="
-                    f"{setting.int2_heads}, but the model has {kv_heads} kv heads per layer"
-                )
-        return cls(model.config, max_cache_len, settings)
+        return cls(model.config, max_cache_len, _clamp_int2_heads(settings, _kv_heads(config), labels))
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Store the K/V of layer ``layer_idx``; returns a :class:`FlashQView` pair under
@@ -375,3 +385,47 @@ class FlashQCache(Cache):
             view = FlashQView(layer, key_states, value_states, prefill)
             return view, view
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _reuse_hint(stored: int) -> str:
+    """What to do with a cache reused for a new prompt (its ``stored`` tokens kept)."""
+    return (f"A cache keeps its tokens across generate() calls, and generate() takes them as "
+            f"the first {stored} tokens of the next prompt: call cache.reset() before a new "
+            "prompt (or make a new cache)")
+
+
+def _kv_heads(config) -> int:
+    """KV heads per layer of a (text) config."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _int2_origin(kv: KVCachePolicy, fqn: str) -> str:
+    """Which entry of a ``kv_cache:`` block sets the ``int2_heads`` of layer ``fqn`` (as
+    :meth:`KVCachePolicy.for_layer` picks it: the last matching rule, else the block's)."""
+    for index in reversed(range(len(kv.rules))):
+        rule = kv.rules[index]
+        if match_pattern(rule.match, fqn):
+            if rule.int2_heads is not None:
+                return f"kv_cache.rules[{index}] (match '{rule.match}')"
+            break
+    return "kv_cache"
+
+
+def _clamp_int2_heads(settings: list[KVCacheLayer], kv_heads: int,
+                     labels: list[tuple[str, str]]) -> list[KVCacheLayer]:
+    """``settings`` with ``int2_heads`` capped at the layer's ``kv_heads``: a count larger
+    than the model has stores every head in INT2. One warning per entry that set such a
+    count (``labels[i]``: that entry and layer i's name)."""
+    clamped: dict[str, list[str]] = {}
+    out = []
+    for setting, (origin, name) in zip(settings, labels):
+        if setting.format == "flashq" and setting.int2_heads > kv_heads:
+            clamped.setdefault(f"{origin}: int2_heads={setting.int2_heads}", []).append(name)
+            setting = setting.model_copy(update={"int2_heads": kv_heads})
+        out.append(setting)
+    for origin, names in clamped.items():
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        log.warning("%s exceeds the %d kv heads of %s%s: all %d heads of %s stored in INT2",
+                    origin, kv_heads, names[0], more, kv_heads,
+                    "these layers" if more else "the layer")
+    return out
