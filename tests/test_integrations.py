@@ -481,9 +481,6 @@ def test_sentence_transformers_st_compile_and_the_eager_entries_apply_the_policy
     assert 0 < error["rel_l1"] < 0.02
 
 
-@pytest.mark.xfail(strict=True, reason="the compile backend names these sites "
-                   "`0.__dict__['_modules']['model'].encoder...`: patterns.site.clean_fqn does "
-                   "not read dynamo's `__dict__['_modules'][...]` path form")
 def test_sentence_transformers_site_names_are_the_backends(sentence_runs):
     _, _, reports = sentence_runs
     assert [r.fqn for r in reports["compiled"].site_reports] == [r.fqn for r in reports["scope"].site_reports]

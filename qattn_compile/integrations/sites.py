@@ -26,9 +26,9 @@ from torch import Tensor
 
 from .. import functional, ops
 from ..errors import UnsupportedSiteError
-from ..evaluation.calibrate import options_for_site
 from ..policy import Decision, Policy
 from ..report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
+from ..scales import options_for_site
 
 log = logging.getLogger("qattn_compile.integrations")
 
