@@ -164,6 +164,36 @@ def _check_mask(attn_mask: Tensor, q: Tensor, kv_len: int, dims: int) -> None:
         raise AttentionInputError(f"attn_mask is on {attn_mask.device}, query on {q.device}")
 
 
+def _check_score_terms(softcap, alibi_slopes, preset: str) -> None:
+    """``softcap`` a number ≥ 0 and ``alibi_slopes`` None or a floating tensor (TypeError
+    otherwise, as SDPA's argument checks); neither with ``preset="none"`` (SDPA has neither)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a number, got {type(softcap).__name__}")
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
+    if alibi_slopes is not None and not (isinstance(alibi_slopes, Tensor)
+                                         and alibi_slopes.is_floating_point()):
+        raise TypeError("alibi_slopes must be a floating-point Tensor, got "
+                        f"{type(alibi_slopes).__name__}")
+    if preset == "none" and (softcap or alibi_slopes is not None):
+        raise ValueError("preset 'none' calls F.scaled_dot_product_attention, which takes no "
+                         "softcap or alibi_slopes")
+
+
+def _slopes_2d(slopes: Tensor, q: Tensor) -> Tensor:
+    """ALiBi slopes ``[Hq]`` or ``[..., Hq]`` (q's leading dims) as the op's ``[Hq]`` or
+    ``[B, Hq]`` (leading dims folded into B); :class:`AttentionInputError` naming the shape
+    otherwise."""
+    hq, lead = q.shape[-3], tuple(q.shape[:-3])
+    if tuple(slopes.shape) == (hq,):
+        return slopes
+    if tuple(slopes.shape) == (*lead, hq):
+        return slopes.reshape(math.prod(lead), hq)
+    raise AttentionInputError(
+        f"alibi_slopes of shape {tuple(slopes.shape)}: expected [{hq}] or {[*lead, hq]} for "
+        f"query {tuple(q.shape)}")
+
+
 def _to_4d(t: Tensor) -> Tensor:
     """``[..., H, L, E]`` -> ``[B, H, L, E]`` with all leading dims folded into B (sized
     explicitly: an empty tensor cannot infer a ``-1``)."""
@@ -194,11 +224,18 @@ def attention(
     enable_gqa: bool = False,
     *,
     preset: str = "sage2_8b",
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
     **options,
 ) -> Tensor:
     """Quantized attention with the semantics and arguments of
     ``F.scaled_dot_product_attention``, which it can replace by name:
     ``functools.partial(qattn_compile.attention, preset="sage2_8b")``.
+
+    Beyond SDPA, as FlashAttention takes them: ``softcap`` (> 0) caps the scaled scores to
+    ``softcap·tanh(S/softcap)`` before the mask (Gemma 2, Grok); ``alibi_slopes`` (float,
+    ``[Hq]`` or ``[..., Hq]`` with query's leading dims) adds ALiBi, ``−slope·|i + Lkv − Lq −
+    j|`` for query ``i`` and key ``j``.
 
     ``preset`` names a method (see :mod:`qattn_compile.presets`); ``**options`` are that
     preset's options. ``preset="none"`` calls PyTorch's SDPA (dropout and backward
@@ -211,6 +248,7 @@ def attention(
                                dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                enable_gqa=enable_gqa))
     _check_misspelled_arguments(options)
+    _check_score_terms(softcap, alibi_slopes, preset)
     resolved = resolve_options(preset, options)
     _check_inputs(query, key, value)
     q, k, v = _broadcast(query, key, value, enable_gqa)
@@ -253,6 +291,8 @@ def attention(
         None if scale is None else float(scale),
         preset,
         resolved.to_json(),
+        float(softcap),
+        None if alibi_slopes is None else _slopes_2d(alibi_slopes, q),
     )
     return out.reshape(*lead, *out.shape[-3:])[(0,) * (3 - dims)]  # 2-D inputs: 2-D output
 

@@ -1,6 +1,7 @@
 """The qattn graph ops (``torch.ops.qattn.*``) and where each one executes.
 
-``torch.ops.qattn.attention(q, k, v, attn_mask, is_causal, scale, preset, options)``
+``torch.ops.qattn.attention(q, k, v, attn_mask, is_causal, scale, preset, options, softcap=0.0,
+alibi_slopes=None)``
 
 - q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lkv, D]``, v ``[B, Hkv, Lkv, Dv]`` with ``Hq % Hkv == 0``
   (grouped-query attention: K/V are never repeated).
@@ -10,6 +11,9 @@
 - preset: a name from :data:`qattn_compile.presets.PRESET_NAMES` other than ``none``;
   options: the preset's options as canonical JSON (``PresetOptions.to_json()``), so that the
   graph carries plain strings and the graph diff shows them.
+- softcap: logit soft-capping ``cap·tanh(S/cap)`` of the scaled scores, before the mask
+  (Gemma 2, Grok); 0 = off. alibi_slopes: ALiBi from one slope per query head (``[Hq]`` or
+  ``[B, Hq]``), ``−slope·|i + Lkv − Lq − j|`` added to the scaled scores (FlashAttention's).
 - returns ``[B, Hq, Lq, Dv]`` in q's dtype; fully masked rows are 0. Contiguous; the
   ``attention_triton`` op stores it ``[B, Lq, Hq, Dv]`` when q stores its heads inside each
   token (:func:`qattn_compile.kernels.layout.output_buffer`).
@@ -45,15 +49,18 @@ def attention(
     scale: float | None,
     preset: str,
     options: str,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Quantized flash attention of ``preset`` (see the module docstring for shapes); a
     contiguous output: Inductor may hand this op a q stored otherwise than the q its fake
     saw, so the layout cannot follow q's (the kernels write it contiguous, no copy)."""
-    return _run(q, k, v, attn_mask, is_causal, scale, preset, options,
+    return _run(q, k, v, attn_mask, is_causal, scale, preset, options, softcap, alibi_slopes,
                 output_like_q=False).contiguous()
 
 
-def _run(q, k, v, attn_mask, is_causal, scale, preset, options, *, output_like_q: bool) -> Tensor:
+def _run(q, k, v, attn_mask, is_causal, scale, preset, options, softcap, alibi_slopes, *,
+         output_like_q: bool) -> Tensor:
     """The body of both ops: the Triton kernels on CUDA (output stored as
     ``kernels.layout.output_buffer`` says for q when ``output_like_q``, else contiguous), the reference
     elsewhere."""
@@ -62,10 +69,12 @@ def _run(q, k, v, attn_mask, is_causal, scale, preset, options, *, output_like_q
         from .kernels import kernel_attention
 
         return kernel_attention(q, k, v, attn_mask, is_causal, scale, preset, resolved,
-                                output_like_q=output_like_q)
+                                output_like_q=output_like_q, softcap=softcap,
+                                alibi_slopes=alibi_slopes)
     from .reference import reference_attention
 
-    return reference_attention(q, k, v, attn_mask, is_causal, scale, preset, resolved)
+    return reference_attention(q, k, v, attn_mask, is_causal, scale, preset, resolved,
+                               softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def _op_options(preset: str, options: str) -> PresetOptions:
@@ -78,7 +87,8 @@ def _op_options(preset: str, options: str) -> PresetOptions:
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, attn_mask, is_causal, scale, preset, options):
+def _attention_fake(q, k, v, attn_mask, is_causal, scale, preset, options, softcap=0.0,
+                    alibi_slopes=None):
     _op_options(preset, options)  # a bad preset or options fail while tracing, not at run time
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
@@ -92,6 +102,8 @@ def _attention_triton(
     scale: float | None,
     preset: str,
     options: str,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """:func:`attention` on CUDA as a ``triton_op``: what the rewrite puts in compiled graphs.
 
@@ -103,7 +115,8 @@ def _attention_triton(
     """
     from .kernels.layout import in_output_layout
 
-    out = _run(q, k, v, attn_mask, is_causal, scale, preset, options, output_like_q=True)
+    out = _run(q, k, v, attn_mask, is_causal, scale, preset, options, softcap, alibi_slopes,
+               output_like_q=True)
     return in_output_layout(out, q)
 
 

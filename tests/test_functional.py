@@ -395,3 +395,32 @@ def test_a_head_dim_the_gpu_refuses_is_refused_on_cpu_too():
     q = torch.randn(1, 2, 8, 512)
     with pytest.raises(ValueError, match=r"head dim 512 of q \(1, 2, 8, 512\)"):
         qattn_compile.attention(q, q, q, preset="int_flash")
+
+
+def test_soft_cap_and_alibi_through_the_eager_api():
+    """``softcap`` and ``alibi_slopes`` reach the preset (here the CPU reference) with SDPA's
+    leading dims: slopes per head, or per leading index and head."""
+    from qattn_compile.reference import exact_attention
+
+    q, k, v = torch.randn(3, 4, 9, 16) * 3, torch.randn(3, 4, 11, 16), torch.randn(3, 4, 11, 16)
+    per_head = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    per_batch = torch.rand(3, 4)
+    for slopes in (per_head, per_batch):
+        out = qattn_compile.attention(q, k, v, preset="flash", softcap=2.0, alibi_slopes=slopes)
+        exact = exact_attention(q, k, v, softcap=2.0, alibi_slopes=slopes)
+        assert torch.allclose(out.double(), exact, atol=1e-5)
+        assert not torch.allclose(out.double(), exact_attention(q, k, v), atol=1e-2)
+
+
+def test_soft_cap_and_alibi_arguments_are_checked():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="softcap must be a number"):
+        qattn_compile.attention(q, q, q, preset="flash", softcap="2")
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        qattn_compile.attention(q, q, q, preset="flash", softcap=-1.0)
+    with pytest.raises(TypeError, match="alibi_slopes must be a floating-point Tensor"):
+        qattn_compile.attention(q, q, q, preset="flash", alibi_slopes=[0.5, 0.25])
+    with pytest.raises(RuntimeError, match=r"alibi_slopes of shape \(3,\)"):
+        qattn_compile.attention(q, q, q, preset="flash", alibi_slopes=torch.ones(3))
+    with pytest.raises(ValueError, match="preset 'none'"):
+        qattn_compile.attention(q, q, q, preset="none", softcap=2.0)

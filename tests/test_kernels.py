@@ -1044,3 +1044,52 @@ def test_kernel_attention_bad_inputs_name_the_culprit(change, message):
     q, k, v, mask = change(q, k, v, mask)
     with pytest.raises(ValueError, match=message):
         kernel_attention(q, k, v, attn_mask=mask, preset="flash")
+
+
+# ----------------------------------------------------------------------------- soft-capping, ALiBi
+
+
+def _explicit_scores(q, k, scale, softcap, slopes):
+    """float64 scores of one batch element written out term by term (an oracle for the
+    oracle): ``cap·tanh(τ·q·k/cap) − slope_h·|i + Lkv − Lq − j|``, GQA by head index."""
+    hq, lq, _ = q.shape
+    hkv, lkv, _ = k.shape
+    s = torch.empty(hq, lq, lkv, dtype=torch.float64)
+    for h in range(hq):
+        raw = scale * (q[h].double() @ k[h // (hq // hkv)].double().T)
+        if softcap:
+            raw = softcap * torch.tanh(raw / softcap)
+        for i in range(lq):
+            for j in range(lkv):
+                s[h, i, j] = raw[i, j] - float(slopes[h]) * abs(i + lkv - lq - j)
+    return s
+
+
+def test_exact_attention_soft_capping_and_alibi_follow_their_formulas():
+    q, k, v = torch.randn(1, 4, 5, 8) * 3, torch.randn(1, 2, 7, 8) * 3, torch.randn(1, 2, 7, 8)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    s = _explicit_scores(q[0], k[0], 8 ** -0.5, 2.0, slopes)
+    expected = torch.softmax(s, -1) @ v[0].double().repeat_interleave(2, 0)
+    out = exact_attention(q, k, v, softcap=2.0, alibi_slopes=slopes)
+    assert torch.allclose(out[0], expected, atol=1e-12)
+    assert not torch.allclose(out, exact_attention(q, k, v), atol=1e-2)  # the terms matter
+
+
+@pytest.mark.parametrize("preset", ["flash", "int_flash", "fp8", "sage2_8b"])
+@pytest.mark.parametrize("lq,causal", [(37, False), (37, True), (1, False)],
+                         ids=["prefill", "causal", "decode"])
+def test_kernels_soft_cap_and_alibi(preset, lq, causal):
+    """The kernel (interpreter) against the preset's reference and fp64 exact attention, both
+    with the same soft cap and ALiBi slopes ([B, Hq]: one per batch element and head); the
+    scores are large enough that the cap bites."""
+    b, hq, hkv, lkv, d = 2, 4, 2, 45, 32
+    q, k, v = torch.randn(b, hq, lq, d) * 4, torch.randn(b, hkv, lkv, d), torch.randn(b, hkv, lkv, d)
+    k[..., 3] += 5.0
+    slopes = torch.rand(b, hq) * 0.3
+    terms = dict(softcap=3.0, alibi_slopes=slopes)
+    exact = exact_attention(q, k, v, is_causal=causal, **terms)
+    ref = reference_attention(q, k, v, is_causal=causal, preset=preset, **terms)
+    out = kernel_attention(q, k, v, is_causal=causal, preset=preset, **terms)
+    err, err_ref = rel_l1(out, exact), rel_l1(ref, exact)
+    assert err <= 1.05 * err_ref + EPS, (err, err_ref)
+    assert rel_l1(exact_attention(q, k, v, is_causal=causal), exact) > 0.05  # the terms matter

@@ -407,3 +407,23 @@ def test_gpu_a_nan_input_reaches_the_output_of_its_head(preset, where):
     assert torch.equal(nan_rows, ref.isnan().any(-1))
     assert nan_rows[0, 0].sum() >= sdpa.isnan().any(-1)[0, 0].sum() > 0
     assert not out[0, 1].isnan().any()
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_soft_cap_and_alibi_on_the_gpu(preset, causal):
+    """Soft-capping and ALiBi in the compiled kernels (bf16, GQA, odd length): error against
+    fp64 exact attention with the same terms within the reference's."""
+    k_ = _kernels()
+    b, hq, hkv, lq, lkv, d = 2, 8, 2, 1000, 1000, 128
+    q = torch.randn(b, hq, lq, d, device=DEV, dtype=torch.bfloat16) * 3
+    k = torch.randn(b, hkv, lkv, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, lkv, d, device=DEV, dtype=torch.bfloat16)
+    terms = dict(softcap=5.0, alibi_slopes=torch.rand(hq, device=DEV) * 0.1)
+    exact = exact_attention(q.double(), k.double(), v.double(), is_causal=causal, **terms)
+    ref = reference_attention(q, k, v, is_causal=causal, preset=preset, **terms)
+    out = k_.kernel_attention(q, k, v, is_causal=causal, preset=preset, **terms)
+    _, err, _ = metrics(out, exact)
+    _, err_ref, _ = metrics(ref, exact)
+    print(f"{preset} causal={causal}: kernel {err:.4f} reference {err_ref:.4f}")
+    assert err <= 1.05 * err_ref + EPS

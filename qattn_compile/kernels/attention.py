@@ -34,6 +34,10 @@ softmax scale and log2(e) are folded into Q's scale). Switches:
   the units of the last tile's scale and multiplied by it at the end) or :data:`VS_CHANNEL`
   (per channel, per tensor with stride 0, applied once at the end). ``SMOOTH_V`` adds the V
   mean back to O.
+- ``SOFTCAP``: logit soft-capping ``cap·tanh(S/cap)`` on the scaled scores (Gemma 2, Grok),
+  before ALiBi and the masks; ``ALIBI``: FlashAttention's ALiBi, ``−slope_h·|i + Lkv − Lq −
+  j|`` added from one slope per (batch, query head). Both take the scores fully scaled (no
+  row scale left for the exponent).
 - ``MASK_MODE``: :data:`MASK_NONE`, :data:`MASK_BOOL`, :data:`MASK_ADD` (tensor masks read
   through the per-tile summary of :mod:`.mask`), combined with ``IS_CAUSAL`` (top-left).
   Key tiles run in two phases: tiles that need no bounds/causal masking, then the diagonal /
@@ -363,6 +367,23 @@ def pv_product(p, v, v_colsum, P_FMT: tl.constexpr, DOT_PRECISION: tl.constexpr)
 
 
 @triton.jit
+def soft_capped(s, cap_log2):
+    """``cap·tanh(S/cap)`` of scores ``s`` in log2 units, with ``cap_log2`` = cap·log2 e:
+    ``c·tanh(s/c) = c − 2c / (2^(2·log2(e)·s/c) + 1)`` (exact at ±inf, NaN stays NaN)."""
+    t = tl.math.exp2(s * (2.8853900817779268 / cap_log2))  # 2·log2(e)
+    return cap_log2 - 2.0 * cap_log2 / (t + 1.0)
+
+
+@triton.jit
+def alibi_log2(offs_m, offs_n, Lq, Lkv, slope_log2):
+    """ALiBi ``−slope·|i + Lkv − Lq − j|`` in log2 units (``slope_log2`` = slope·log2 e),
+    ``[BLOCK_M, BLOCK_N]`` float32: FlashAttention's bottom-right alignment, so a decode
+    step's one query sits at the last key."""
+    distance = offs_m[:, None] + (Lkv - Lq) - offs_n[None, :]
+    return -slope_log2 * tl.abs(distance).to(tl.float32)
+
+
+@triton.jit
 def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
                      MASK_MODE: tl.constexpr):
     """Apply the tensor mask to scores ``s`` ``[BLOCK_M, BLOCK_N]`` (log2 units): bool False
@@ -387,13 +408,13 @@ def _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code,
 def _tile_step(
     acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n,
     k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code,
-    Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3,
+    Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, cap_log2, slope_log2,
     skl, skd, svl, svd, sksg, svsg, smm, smn, scsc,
     QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr,
     ACC_TILE_UNITS: tl.constexpr, V_FMT: tl.constexpr,
     V_SCALE: tl.constexpr, EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
     BOUNDED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DS: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, EXACT_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
@@ -446,6 +467,7 @@ def _tile_step(
     # (a positive factor per row: quantizer scales are, the softmax scale must be), and the
     # exponent's multiply-add applies it.
     ROW_SCALE: tl.constexpr = (POSITIVE_SCALE and not HAS_DS and MASK_MODE != MASK_ADD
+                               and not SOFTCAP and not ALIBI
                                and (K_SCALES == 1 or K_SCALES == BLOCK_N or QK_FMT == QK_NATIVE))
     s, row_scale = qk_scores(q, q2, k, k2, q_scale, k_scale, qk_scale, QK_FMT, DOT_PRECISION,
                              K_SCALES if QK_FMT != QK_NATIVE else BLOCK_N, ROW_SCALE)
@@ -454,6 +476,10 @@ def _tile_step(
             s += tl.load(ds_row + offs_n, mask=offs_n < Lkv, other=0.0)[None, :]
         else:
             s += tl.load(ds_row + offs_n)[None, :]
+    if SOFTCAP:
+        s = soft_capped(s, cap_log2)
+    if ALIBI:
+        s += alibi_log2(offs_m, offs_n, Lq, Lkv, slope_log2)
     if MASK_MODE != MASK_NONE:
         s = _add_tensor_mask(s, mask_base, offs_m, offs_n, smm, smn, Lq, Lkv, code, MASK_MODE)
     if BOUNDED:
@@ -524,8 +550,9 @@ def _tile_step(
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     qs_ptr, ks_ptr, vs_ptr, ds_ptr, vmean_ptr, mask_ptr, sum_ptr, tiles_ptr, cnt_ptr, cs_ptr,
+    alibi_ptr,
     Lq, Lkv, n_heads_q, hq_per_kv, n_bh,
-    qk_scale, thr_log2, c0, c1, c2, c3,
+    qk_scale, thr_log2, c0, c1, c2, c3, cap_log2,
     sqb, sqh, sql, sqd,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
@@ -540,10 +567,12 @@ def attention_kernel(
     ssb, ssh, ssm, ssn,
     stb, sth, stm, stn,
     scnb, scnh, scnm,
+    salb, salh,
     QK_FMT: tl.constexpr, P_FMT: tl.constexpr, P_TILE_MAX: tl.constexpr, V_FMT: tl.constexpr,
     V_SCALE: tl.constexpr, EXP_MODE: tl.constexpr, MASK_MODE: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_DS: tl.constexpr, SMOOTH_V: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     Q_GROUP: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, DS_GROUP: tl.constexpr,
     EXACT_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -572,6 +601,7 @@ def attention_kernel(
     thr_log2 = tl.cast(thr_log2, tl.float32)
     c0, c1 = tl.cast(c0, tl.float32), tl.cast(c1, tl.float32)
     c2, c3 = tl.cast(c2, tl.float32), tl.cast(c3, tl.float32)
+    cap_log2 = tl.cast(cap_log2, tl.float32)
     # 64-bit (batch, head) offsets: operands, ΔS and masks may pass 2**31 elements
     pid_bh = (tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
     if pid_bh >= n_bh:
@@ -582,6 +612,10 @@ def attention_kernel(
     b = pid_bh // n_heads_q
     hq = pid_bh % n_heads_q
     hkv = hq // hq_per_kv
+    if ALIBI:
+        slope_log2 = tl.load(alibi_ptr + b * salb + hq * salh).to(tl.float32) * 1.4426950408889634
+    else:
+        slope_log2 = tl.cast(0.0, tl.float32)  # unused
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -644,11 +678,12 @@ def attention_kernel(
                     acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
                         acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n,
                         k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base,
-                        cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl,
+                        cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, cap_log2,
+                        slope_log2, skl,
                         skd, svl, svd, sksg, svsg, smm, smn, scsc,
                         QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
                         MASK_MODE, phase == 1, IS_CAUSAL,
-                        HAS_DS, POSITIVE_SCALE,
+                        HAS_DS, POSITIVE_SCALE, SOFTCAP, ALIBI,
                         K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                         HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
             else:
@@ -656,11 +691,12 @@ def attention_kernel(
                     acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
                         acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, start_n,
                         k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base,
-                        cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl,
+                        cs_base, TILE_FULL, Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, cap_log2,
+                        slope_log2, skl,
                         skd, svl, svd, sksg, svsg, smm, smn, scsc,
                         QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
                         MASK_MODE, phase == 1, IS_CAUSAL,
-                        HAS_DS, POSITIVE_SCALE,
+                        HAS_DS, POSITIVE_SCALE, SOFTCAP, ALIBI,
                         K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION, USE_TMA,
                         HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
@@ -674,11 +710,11 @@ def attention_kernel(
             acc, acc_unit, acc_shift, m_i, l_i = _tile_step(
                 acc, acc_unit, acc_shift, m_i, l_i, q, q2, q_scale, start_m, n_tile * BLOCK_N,
                 k_base, v_base, k_desc, v_desc, ks_base, vs_base, ds_row, mask_base, cs_base, code,
-                Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, skl, skd, svl, svd, sksg, svsg, smm,
-                smn, scsc, QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
+                Lq, Lkv, qk_scale, thr_log2, c0, c1, c2, c3, cap_log2, slope_log2, skl, skd, svl,
+                svd, sksg, svsg, smm, smn, scsc, QK_FMT, P_FMT, P_TILE_MAX, ACC_TILE_UNITS, V_FMT, V_SCALE, EXP_MODE,
                 MASK_MODE, True,
                 IS_CAUSAL,
-                HAS_DS, POSITIVE_SCALE, K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION,
+                HAS_DS, POSITIVE_SCALE, SOFTCAP, ALIBI, K_GROUP, V_GROUP, EXACT_FP8, DOT_PRECISION,
                 USE_TMA,
                 HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 

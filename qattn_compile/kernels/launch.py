@@ -281,10 +281,14 @@ def _launch(
     qk_scale: float,
     cfg: AttentionConfig,
     dot_precision: str,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> None:
     """Run :func:`.attention.attention_kernel` on prepared operands into ``out``.
 
-    shape: ``(B, Hq, Hkv, Lq, Lkv, D)``; out: ``[B, Hq, Lq, Dv]``.
+    shape: ``(B, Hq, Hkv, Lq, Lkv, D)``; out: ``[B, Hq, Lq, Dv]``; ``softcap`` (0 = off) and
+    ``alibi_slopes`` (float32 ``[B, Hq]``, stride 0 on a broadcast batch) as
+    :func:`kernel_attention`.
     """
     bsz, hq, hkv, lq, lkv, dim = shape
     dv = out.shape[-1]
@@ -328,16 +332,18 @@ def _launch(
     group = grid_head_group(bool(is_causal), hq // hkv, _compat.size_hint(bsz * hq),
                             _compat.size_hint(lkv * kv_row_bytes))
     grid = (group, -(-lq // cfg.block_m), -(-(bsz * hq) // group))
+    alibi = alibi_slopes if alibi_slopes is not None else absent()
+    al_strides = alibi_slopes.stride() if alibi_slopes is not None else (0, 0)
     launcher(ak.attention_kernel, ops.q)[grid](
         ops.q, ops.k, ops.v, out, qs, ks, vs, ds, vmean, mvals, msum, mtiles, mcount, colsum,
-        lq, lkv, hq, hq // hkv, bsz * hq,
-        qk_scale, ops.sas_threshold * LOG2E, c0, c1, c2, c3,
+        alibi, lq, lkv, hq, hq // hkv, bsz * hq,
+        qk_scale, ops.sas_threshold * LOG2E, c0, c1, c2, c3, softcap * LOG2E,
         *ops.q.stride(), *ops.k.stride(), *v_strides, *out.stride(),
         *qs_strides, *ks_strides, *vs_strides, *ds_strides, *vm_strides, *cs_strides,
-        *m_strides, *s_strides, *t_strides, *c_strides,
+        *m_strides, *s_strides, *t_strides, *c_strides, *al_strides,
         V_SCALE=v_mode, MASK_MODE=mode, IS_CAUSAL=bool(is_causal),
         HAS_DS=ops.delta_s is not None, SMOOTH_V=ops.v_mean is not None,
-        POSITIVE_SCALE=bool(qk_scale > 0),
+        POSITIVE_SCALE=bool(qk_scale > 0), SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
         Q_GROUP=q_group, K_GROUP=k_group, V_GROUP=v_group, DS_GROUP=SMOOTH_Q_BLOCK,
         EXACT_FP8=exact, DOT_PRECISION=dot_precision, USE_TMA=use_tma,
         HEAD_D=dim, HEAD_DV=dv,
@@ -427,6 +433,8 @@ class PreparedAttention:
     out_dtype: torch.dtype
     out_heads_inside_tokens: bool  # the output stored [B, Lq, Hq, Dv] (see output_buffer)
     tier2: Tier2Config | None = None  # the Gluon kernel's tiles when tier 2 serves the call
+    softcap: float = 0.0  # logit soft-capping cap (0 = off)
+    alibi_slopes: Tensor | None = None  # float32 [B, Hq] ALiBi slopes (stride 0: broadcast)
 
     @property
     def loads_by_tma(self) -> bool:
@@ -452,7 +460,7 @@ class PreparedAttention:
             _launch_tier2(self.ops, out, self.is_causal, self.tier2, lse)
         else:
             _launch(self.ops, out, self.shape, self.mask, self.is_causal, self.qk_scale,
-                    self.cfg, self.dot_precision)
+                    self.cfg, self.dot_precision, self.softcap, self.alibi_slopes)
         return out
 
 
@@ -526,6 +534,8 @@ def prepare_attention(
     config: AttentionConfig | None = None,
     output_like_q: bool = True,
     tier: str | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> PreparedAttention:
     """Validate, smooth/quantize the operands of ``preset`` and plan the launch (tiles from
     ``config`` if given, else from :mod:`.autotune` when the options say ``autotune``, else
@@ -535,7 +545,9 @@ def prepare_attention(
     serve the call), None for :mod:`.tiers`'s choice."""
     opts, static = _resolve(preset, options, static_scales, q, k)
     _check_call(q, k, v, attn_mask, preset)
-    use_tier2 = _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier)
+    slopes = _alibi_slopes(alibi_slopes, q)
+    use_tier2 = _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier,
+                              extras=softcap > 0 or slopes is not None)
     bsz, hq, lq, dim = q.shape
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     tau = 1.0 / math.sqrt(dim) if scale is None else float(scale)
@@ -562,6 +574,7 @@ def prepare_attention(
     logger.debug("qattn kernel %s on %s: cfg=%s", preset, arch_of(q.device), cfg)
     return PreparedAttention(
         ops=ops, mask=mask, is_causal=bool(is_causal), qk_scale=qk_mul, cfg=cfg, tier2=tier2,
+        softcap=float(softcap), alibi_slopes=slopes,
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         shape=(bsz, hq, hkv, lq, lkv, dim), out_shape=(bsz, hq, lq, dv),
         out_dtype=torch.float32 if quantize_out else q.dtype,
@@ -569,7 +582,21 @@ def prepare_attention(
     )
 
 
-def _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier: str | None) -> bool:
+def _alibi_slopes(slopes: Tensor | None, q: Tensor) -> Tensor | None:
+    """ALiBi slopes ``[Hq]`` or ``[B, Hq]`` as float32 ``[B, Hq]`` on q's device (a view with
+    batch stride 0 for ``[Hq]``); ``ValueError`` naming the shape otherwise."""
+    if slopes is None:
+        return None
+    bsz, hq = q.shape[0], q.shape[1]
+    if tuple(slopes.shape) not in ((hq,), (bsz, hq)) or slopes.device != q.device:
+        raise ValueError(f"alibi_slopes of shape {tuple(slopes.shape)} on {slopes.device}: "
+                         f"expected [{hq}] or [{bsz}, {hq}] (one slope per query head) on "
+                         f"{q.device}")
+    return slopes.to(torch.float32).expand(bsz, hq)
+
+
+def _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier: str | None, *,
+                  extras: bool = False) -> bool:
     """Whether tier 2 serves this call (:func:`.tiers.tier2_refusal`); ``tier`` forces a
     tier. Never while torch traces (compiled graphs reach tier 2 through the opaque op,
     :func:`qattn_compile.ops.graph_op`)."""
@@ -578,6 +605,7 @@ def _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier: str 
     if tier == "triton":
         return False
     reason = ("traced by torch.compile (tier 1 is inlined)" if lowered_decomposed(q) else
+              "soft-capping or ALiBi (tier 2 computes neither)" if extras else
               tier2_refusal(preset, opts, q.shape, k.shape,
                             v.shape, q.dtype, q.device, masked=attn_mask is not None,
                             scale=scale, causal=bool(is_causal), forced=tier == "gluon"))
@@ -644,6 +672,8 @@ def kernel_attention(
     *,
     static_scales: Mapping[str, float | Tensor] | None = None,
     output_like_q: bool = True,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Quantized flash attention of ``preset`` with the Triton kernels.
 
@@ -657,13 +687,17 @@ def kernel_attention(
     each token (:func:`.layout.output_buffer`), except fmha_int8's re-quantized
     output (``quantize_output``) and an empty one, which come back contiguous (the compiled
     op copies them into q's layout); False: always contiguous.
+    ``softcap``: logit soft-capping ``cap·tanh(S/cap)`` of the scaled scores before the
+    masks (0 = off); ``alibi_slopes``: ALiBi, ``−slope·|i + Lkv − Lq − j|`` added to the
+    scaled scores, one slope per query head (``[Hq]`` or ``[B, Hq]``), as FlashAttention's.
     """
     opts, static = _resolve(preset, options, static_scales, q, k)
     if q.numel() == 0 or k.numel() == 0:  # no launch: checked here, then zeros
         _check_call(q, k, v, attn_mask, preset)
         return q.new_zeros((*q.shape[:3], v.shape[-1]))
     call = prepare_attention(q, k, v, attn_mask, is_causal, scale, preset, opts,
-                             static_scales=static, output_like_q=output_like_q)
+                             static_scales=static, output_like_q=output_like_q,
+                             softcap=softcap, alibi_slopes=alibi_slopes)
     out = call.run()
     if preset == "fmha_int8" and opts.quantize_output:
         out = _quantize_output(out, static)

@@ -149,6 +149,25 @@ def mask_bias(
     return bias
 
 
+def with_alibi(bias: Tensor | None, alibi_slopes: Tensor | None,
+               shape: tuple[int, int, int, int], dtype: torch.dtype) -> Tensor | None:
+    """``bias`` (from :func:`mask_bias`) plus ALiBi ``−slope·|i + Lkv − Lq − j|`` (as
+    FlashAttention: bottom-right aligned), ``alibi_slopes`` ``[Hq]`` or ``[B, Hq]``; shape
+    ``(B, Hq, Lq, Lkv)``. Unchanged without slopes."""
+    if alibi_slopes is None:
+        return bias
+    b, hq, lq, lkv = shape
+    if tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
+        raise ValueError(f"alibi_slopes of shape {tuple(alibi_slopes.shape)}: expected [{hq}] "
+                         f"or [{b}, {hq}]")
+    device = alibi_slopes.device
+    rows = torch.arange(lq, device=device).view(lq, 1) + (lkv - lq)
+    distance = (rows - torch.arange(lkv, device=device).view(1, lkv)).abs().to(dtype)
+    slopes = alibi_slopes.to(dtype).reshape(-1, hq, 1, 1)
+    alibi = -slopes * distance
+    return alibi if bias is None else bias.to(device) + alibi
+
+
 def _bias_5d(bias: Tensor | None, hkv: int) -> Tensor | None:
     """``[b, h, lq, lkv]`` (h = 1 or Hq) -> ``[b, Hkv or 1, G or 1, lq, lkv]`` (a view)."""
     if bias is None:
@@ -173,12 +192,16 @@ def exact_attention(
     scale: float | None = None,
     *,
     compute_dtype: torch.dtype = torch.float64,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Independent exact softmax attention (the fp64 oracle). Returns ``compute_dtype``.
 
     q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lkv, D]``, v ``[B, Hkv, Lkv, Dv]`` -> ``[B, Hq, Lq, Dv]``.
     Written separately from :func:`reference_attention` (K/V repeated per query head, plain
-    softmax) so that it can check it. Fully masked rows give exactly 0.
+    softmax) so that it can check it. Fully masked rows give exactly 0. ``softcap`` (0 =
+    off): ``cap·tanh(S/cap)`` of the scaled scores before the masks; ``alibi_slopes``: see
+    :func:`with_alibi`.
     """
     _check_inputs(q, k, v, compute_dtype)
     b, hq, lq, d = q.shape
@@ -188,11 +211,14 @@ def exact_attention(
     keys = k.to(compute_dtype).repeat_interleave(heads_per_kv, dim=1)
     values = v.to(compute_dtype).repeat_interleave(heads_per_kv, dim=1)
     queries = q.to(compute_dtype)
-    bias = mask_bias(attn_mask, is_causal, (b, hq, lq, lkv), compute_dtype, q.device)
+    bias = with_alibi(mask_bias(attn_mask, is_causal, (b, hq, lq, lkv), compute_dtype, q.device),
+                      alibi_slopes, (b, hq, lq, lkv), compute_dtype)
     rows = max(1, _CHUNK_ELEMENTS // max(1, b * hq * lkv))
     outs = []
     for r0 in range(0, lq if lkv else 0, rows):  # no keys: every row is fully masked
         scores = (queries[:, :, r0 : r0 + rows] @ keys.transpose(-1, -2)) * tau
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         if bias is not None:
             scores = scores + (bias if bias.shape[-2] == 1 else bias[:, :, r0 : r0 + rows])
         row_max = scores.amax(dim=-1, keepdim=True)
@@ -369,12 +395,16 @@ def _rows(bias: Tensor | None, r0: int, r1: int) -> Tensor | None:
     return bias[..., r0:r1, :]
 
 
-def _shifted(scores: Tensor, tau: float, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+def _shifted(scores: Tensor, tau: float, bias: Tensor | None,
+             softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """``x = S − m`` (``-inf`` where masked) and the per-row "has a visible key" flag.
 
     scores ``[..., rows, Lkv]`` (before τ) -> ``x`` same shape, flag ``[..., rows, 1]`` bool.
+    ``softcap`` (0 = off): ``cap·tanh(S/cap)`` after τ, before the bias.
     """
     s = scores * tau
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if bias is not None:  # a masked key's score is replaced, not added to (a NaN stays out)
         s = torch.where(bias == -math.inf, bias, s + bias)
     row_max = s.amax(dim=-1, keepdim=True)
@@ -446,10 +476,10 @@ def _probabilities(x: Tensor, preset: str, opts, p_dtype,
 
 
 def _attention_rows(ops, bias, preset, opts, tau, p_dtype, compute_dtype, key_tile,
-                    r0, r1) -> Tensor:
+                    r0, r1, softcap) -> Tensor:
     """Output rows r0:r1, ``[B, Hkv, G, r1 - r0, Dv]`` in compute dtype (masked rows = 0)."""
     _, scores = _dot_scores(ops, r0, r1, compute_dtype)
-    x, visible = _shifted(scores, tau, _rows(bias, r0, r1))
+    x, visible = _shifted(scores, tau, _rows(bias, r0, r1), softcap)
     p, weight, row_sum, unit = _probabilities(x, preset, opts, p_dtype, key_tile)
     if weight is not None:
         p = p * weight
@@ -510,6 +540,8 @@ def reference_attention(
     compute_dtype: torch.dtype = torch.float32,
     static_scales: Mapping[str, float | Tensor] | None = None,
     key_tile: int = P_KEY_TILE,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Simulated-quantization reference of ``preset`` (see the module docstring).
 
@@ -519,7 +551,7 @@ def reference_attention(
     calibrated α (``{"q", "k", "v"[, "o"]}``), required with ``scales: static`` and refused
     otherwise. ``key_tile``: keys per tile of integer P's range under ``p_scale: tile``
     (pass the kernel's ``block_n`` to reproduce it). Query rows are processed in chunks when
-    the score matrix is large.
+    the score matrix is large. ``softcap`` and ``alibi_slopes`` as :func:`exact_attention`.
     """
     opts, statics, tau = _setup(q, k, v, preset, options, compute_dtype, static_scales, scale)
     b, hq, lq, _ = q.shape
@@ -527,12 +559,13 @@ def reference_attention(
     if q.numel() == 0 or k.numel() == 0:  # no query rows or no keys: as the kernels
         return q.new_zeros((b, hq, lq, dv))
     ops = _prepare(q, k, v, preset, opts, compute_dtype, statics)
-    bias = _bias_5d(mask_bias(attn_mask, is_causal, (b, hq, lq, lkv), compute_dtype, q.device), hkv)
+    bias = mask_bias(attn_mask, is_causal, (b, hq, lq, lkv), compute_dtype, q.device)
+    bias = _bias_5d(with_alibi(bias, alibi_slopes, (b, hq, lq, lkv), compute_dtype), hkv)
     step = _row_chunk(b, hq, lq, lkv)
     chunks = [
         _attention_rows(
             ops, bias, preset, opts, tau, v.dtype, compute_dtype, key_tile, r0,
-            min(r0 + step, lq)
+            min(r0 + step, lq), softcap
         )
         for r0 in range(0, lq, step)
     ]
