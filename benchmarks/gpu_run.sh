@@ -16,7 +16,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for step in "$@"; do
   case "$step" in
     tests) python3 -m pytest -m gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    tests-kernels) python3 -m pytest -m gpu -q -rs tests/test_kernels_gpu.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" ;;
+    tests-kernels) python3 -m pytest -m gpu -q -rs tests/test_kernels_gpu.py tests/test_hopper_gpu.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" ;;
     tests-kvcache) python3 -m pytest -m gpu -q -rs tests/test_kvcache_gpu.py 2>&1 | tee "$OUT/gpu_tests_kvcache.log" ;;
     tests-compile) python3 -m pytest -m gpu -q -rs tests/test_lowering_gpu.py tests/test_zoo.py 2>&1 | tee "$OUT/gpu_tests_compile.log" ;;
     attention) python3 benchmarks/attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" ;;
