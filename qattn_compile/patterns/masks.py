@@ -2,7 +2,9 @@
 
 A site's mask is a :class:`MaskSpec`: boolean *keep* terms (ANDed; True = attend) and
 *additive* terms (summed into the scores, each multiplied by the scale factors applied
-after it). The rewrite combines them into the op's one mask; this module only describes.
+after it; a term applied while a view regrouped the scores' batch dims carries the
+:class:`Regroup` that moves it into the site's grouping). The rewrite combines them into the
+op's one mask; this module only describes.
 
 :func:`mask_kind` names a mask from the subgraph that built it, recognising how
 transformers builds masks under torch.compile (``masking_utils.sdpa_mask``: index tensors
@@ -81,6 +83,70 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
+class Regroup:
+    """A mask term applied to the scores while their batch dims were grouped differently
+    (``scores.view(B, H, Lq, Lk)`` of ``[B·H, Lq, Lk]`` scores, Swin's ``view(-1, nW, H, N,
+    N)``): ``term.expand(expand).reshape(reshape)`` (``expand`` empty: reshape only) is the
+    same term in the site's layout. Only the batch groups the term varies along are
+    materialized."""
+
+    expand: tuple[int, ...]
+    reshape: tuple[int, ...]
+
+
+def _batch_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[range, range]] | None:
+    """The dims of batch layouts ``a`` and ``b`` (equal products) in matching groups: each
+    group of ``a`` holds exactly the elements of its group of ``b``; ``None`` if none fit."""
+    groups, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        ia, jb, pa, pb = i + 1, j + 1, a[i], b[j]
+        while pa != pb:
+            if pa < pb and ia < len(a):
+                pa, ia = pa * a[ia], ia + 1
+            elif pb < pa and jb < len(b):
+                pb, jb = pb * b[jb], jb + 1
+            else:
+                return None
+        groups.append((range(i, ia), range(j, jb)))
+        i, j = ia, jb
+    if any(s != 1 for s in (*a[i:], *b[j:])):
+        return None
+    if groups:  # trailing size-1 dims join the last group
+        last_a, last_b = groups[-1]
+        groups[-1] = (range(last_a.start, len(a)), range(last_b.start, len(b)))
+    return groups
+
+
+def regroup(term: fx.Node, layout: tuple, site_layout: tuple) -> Regroup | str | None:
+    """How to move mask term ``term``, applied to scores of batch dims ``layout``, to
+    scores of batch dims ``site_layout`` (see :class:`Regroup`); ``None`` when it broadcasts
+    the same way in both; a string says why it cannot be moved."""
+    shape = shape_of(term)
+    if shape is None:
+        return "a mask term has no recorded example value"
+    last = tuple(shape[-2:]) if len(shape) >= 2 else (1, *shape)
+    lead = (1,) * (len(layout) - len(shape[:-2])) + tuple(shape[:-2])
+    if len(lead) > len(layout):
+        return f"a mask term of shape {list(shape)} has more batch dims than the scores it is added to"
+    if all(is_one(s) for s in lead):
+        if len(shape) <= len(site_layout) + 2:
+            return None
+        return Regroup((), (*(1,) * len(site_layout), *last))
+    sizes = (*layout, *site_layout, *last)
+    if not all(isinstance(s, int) for s in sizes):
+        return "a mask added while the scores' batch dims were regrouped by a view, under dynamic shapes"
+    groups = _batch_groups(tuple(layout), tuple(site_layout))
+    if groups is None:
+        return f"a view regroups the scores' batch dims {list(layout)} in a way that does not map onto {list(site_layout)}"
+    expand, reshape = list(layout), list(site_layout)
+    for dims, site_dims in groups:
+        if all(is_one(lead[d]) for d in dims):
+            expand[dims.start:dims.stop] = (1,) * len(dims)
+            reshape[site_dims.start:site_dims.stop] = (1,) * len(site_dims)
+    return Regroup((*expand, *last), (*reshape, *last))
+
+
+@dataclass(frozen=True)
 class KeepTerm:
     """A boolean mask term. ``negate=False``: True marks keys to attend (``where(m, s, -inf)``,
     SDPA bool masks); ``negate=True``: True marks masked keys (``masked_fill(m, -inf)``)."""
@@ -89,6 +155,8 @@ class KeepTerm:
     negate: bool = False
     fill: float = float("-inf")
     """What the masked scores are set to in the graph (``-inf``, or a finite value ≤ -1e4)."""
+    regroup: Regroup | None = None
+    """How to bring the term from the batch layout it was applied in to the site's."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +165,10 @@ class AdditiveTerm:
 
     node: fx.Node
     factors: tuple[Factor, ...] = ()
+    regroup: Regroup | None = None
+    """How to bring the term from the batch layout it was applied in to the site's."""
+    kind: str | None = None
+    """The term's kind when known from how it was applied (a ``baddbmm`` bias: ``additive``)."""
 
 
 @dataclass
@@ -458,7 +530,7 @@ def mask_kind(spec: MaskSpec, is_causal: bool) -> str:
         else:
             kinds |= _bool_kinds(term.node)
     for term in spec.additive:
-        kinds |= _additive_kinds(term.node)
+        kinds |= {term.kind} if term.kind else _additive_kinds(term.node)
     return "+".join(k for k in KIND_ORDER if k in kinds) or "none"
 
 
@@ -609,7 +681,7 @@ def split_causal(spec: MaskSpec) -> tuple[MaskSpec, bool]:
     (see the module docstring). ``(spec, False)`` unchanged when nothing is proven."""
     keep, proven = [], False
     for term in spec.keep:
-        rest = None if term.negate else _without_causal(term.node)
+        rest = None if term.negate or term.regroup else _without_causal(term.node)
         if rest is None:
             keep.append(term)
         else:

@@ -1,0 +1,206 @@
+"""Hand-written attention that regroups its batch dims between the two products, adds a
+bias through ``torch.baddbmm``, or soft-caps its logits: every one is one site, served with
+the exact ``flash`` preset (output equal to eager's) or reported with its reason; a softmax
+that is no attention is no site.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from qattn_compile import _compat
+from qattn_compile.policy import load_policy
+from qattn_compile.report import FALLBACK, REWRITTEN
+from qattn_compile.rewrite import rewrite_attention
+
+B, H, L, D = 2, 4, 9, 8
+EXACT = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    _compat.reset_dynamo()
+    yield
+    _compat.reset_dynamo()
+
+
+class Recorder:
+    """A dynamo backend rewriting with the flash preset; keeps reports and node names."""
+
+    def __init__(self):
+        self.policy = load_policy({"qattn": 1, "default": "flash"})
+        self.reports, self.names, self.graphs = [], set(), []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        self.names |= {n.name for n in gm.graph.nodes if n.name != getattr(n.target, "__name__", n.target)}
+        self.reports += rewrite_attention(gm, self.policy)
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def run(module: nn.Module, *inputs):
+    rec = Recorder()
+    with torch.no_grad():
+        expected = module(*inputs)
+        got = torch.compile(module, backend=rec, fullgraph=True)(*inputs)
+    return expected, got, rec
+
+
+def _causal(batch: int = B) -> torch.Tensor:
+    """``[B, 1, L, L]`` True above the diagonal (masked), one padded key in sample 0."""
+    masked = torch.triu(torch.ones(L, L, dtype=torch.bool), 1).expand(batch, 1, L, L).clone()
+    masked[0, ..., 1] = True
+    masked[0, :, 1, 0] = False
+    return masked
+
+
+class OptStyle(nn.Module):
+    """OPT (transformers 4.3x): ``bmm`` on ``[B·H, L, D]``, the mask added in ``[B, H, L, L]``
+    (the scores viewed there and back), ``torch.max`` against ``finfo.min`` left out."""
+
+    def forward(self, q, k, v, additive):
+        scores = torch.bmm(q * D**-0.5, k.transpose(1, 2))
+        scores = scores.view(B, H, L, L) + additive
+        scores = scores.view(B * H, L, L)
+        return torch.bmm(F.softmax(scores, dim=-1), v)
+
+
+class BloomStyle(nn.Module):
+    """BLOOM: ALiBi through ``baddbmm`` on ``[B·H, ...]``, a causal mask in ``[B, H, L, L]``,
+    softmax there, the probabilities viewed back for ``bmm``."""
+
+    def forward(self, q, k, v, masked):
+        slopes = torch.tensor([2.0 ** (-8 * (i + 1) / H) for i in range(H)]).repeat(B)
+        alibi = slopes[:, None, None] * torch.arange(L)[None, None, :]  # [B·H, 1, L]
+        scores = alibi.baddbmm(batch1=q, batch2=k.transpose(1, 2), beta=1.0, alpha=1 / math.sqrt(D))
+        scores = scores.view(B, H, L, L)
+        scores = torch.masked_fill(scores, masked, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs.view(B * H, L, L), v)
+
+
+class SwinStyle(nn.Module):
+    """timm's Swin window attention with a shifted-window mask added through a 5-D view."""
+
+    def __init__(self, windows: int = 2):
+        super().__init__()
+        self.windows = windows
+        self.bias = nn.Parameter(torch.randn(H, L, L))
+
+    def forward(self, q, k, v, window_mask):
+        attn = (q * D**-0.5) @ k.transpose(-2, -1)
+        attn = attn + self.bias.unsqueeze(0)
+        attn = attn.view(-1, self.windows, H, L, L) + window_mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, H, L, L)
+        return attn.softmax(dim=-1) @ v
+
+
+def _rank3(*tensors):
+    return [t.reshape(B * H, L, D) for t in tensors]
+
+
+def _qkv(batch: int = B):
+    return [torch.randn(batch, H, L, D) for _ in range(3)]
+
+
+def _window_mask(windows: int) -> torch.Tensor:
+    mask = torch.zeros(windows, L, L)
+    mask[1, : L // 2, L // 2:] = -100.0
+    mask[1, L // 2:, : L // 2] = -100.0
+    return mask
+
+
+CASES = {
+    "opt": lambda: (OptStyle(), *_rank3(*_qkv()), torch.zeros(B, 1, L, L).masked_fill(_causal(), -1e9)),
+    "bloom": lambda: (BloomStyle(), *_rank3(*_qkv()), _causal()),
+    "swin": lambda: (SwinStyle(), *_qkv(2 * B), _window_mask(2)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_batch_dims_regrouped_between_products_are_served(name):
+    module, *inputs = CASES[name]()
+    expected, got, rec = run(module, *inputs)
+    (report,) = rec.reports
+    assert report.status == REWRITTEN, report.reason
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_baddbmm_bias_is_an_additive_term():
+    class Alibi(nn.Module):
+        def forward(self, q, k, v, bias):
+            return torch.baddbmm(bias, q, k.mT, beta=0.5, alpha=0.25).softmax(-1) @ v
+
+    q, k, v = _rank3(*_qkv())
+    expected, got, rec = run(Alibi(), q, k, v, torch.randn(B * H, 1, L))
+    (report,) = rec.reports
+    assert (report.status, report.mask_kind) == (REWRITTEN, "additive"), report.reason
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+class SoftCapped(nn.Module):
+    """Gemma 2's eager attention: scores / cap, tanh, * cap."""
+
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(2, 3) * D**-0.5
+        scores = torch.tanh(scores / 50.0) * 50.0
+        return F.softmax(scores, dim=-1) @ v
+
+
+def test_logit_soft_capping_is_reported():
+    expected, got, rec = run(SoftCapped(), *_qkv())
+    (report,) = rec.reports
+    assert report.status == FALLBACK
+    assert re.search(r"logit soft-capping cap·tanh\(scores/cap\) .* at `tanh` \(test_reach.py:\d+\): "
+                     r"not served by the kernels yet", report.reason), report.reason
+    torch.testing.assert_close(got, expected)
+
+
+def test_view_that_mixes_query_rows_into_batch_is_reported_not_served():
+    """A view that changes the last two dims is no batch regrouping."""
+
+    class Mixed(nn.Module):
+        def forward(self, q, k, v):
+            scores = (q @ k.mT).view(B, H, L * L // 3, 3).view(B, H, L, L)
+            return scores.softmax(-1) @ v
+
+    expected, got, rec = run(Mixed(), *_qkv())
+    (report,) = rec.reports
+    assert report.status == FALLBACK and "unsupported op `view` (test_reach.py:" in report.reason
+    torch.testing.assert_close(got, expected)
+
+
+def test_reasons_name_no_graph_node():
+    """Refusal texts quote ops and source lines, never an FX node name."""
+    for module, inputs in [(SoftCapped(), _qkv())]:
+        _compat.reset_dynamo()
+        _, _, rec = run(module, *inputs)
+        for report in rec.reports:
+            assert not [n for n in rec.names if f"`{n}`" in report.reason], report.reason
+
+
+class Classifier(nn.Module):
+    """Softmaxes that are no attention: class probabilities of a linear head, used by a
+    matmul afterwards (a soft lookup in an embedding table), and a mixture of experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(D, 5)
+        self.table = nn.Parameter(torch.randn(5, D))
+
+    def forward(self, x):
+        probs = self.head(x).softmax(-1)  # [B, L, 5]: over classes, from one activation
+        soft_lookup = probs @ self.table
+        gates = torch.softmax(x.sum(-1), dim=-1)
+        return soft_lookup, gates
+
+
+def test_softmax_that_is_not_attention_is_no_site():
+    _, _, rec = run(Classifier().eval(), torch.randn(B, L, D))
+    assert rec.reports == []
