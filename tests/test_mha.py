@@ -198,3 +198,17 @@ def test_transformer_decoder_layer_is_served():
     assert [(r.fqn, r.status, r.mask_kind) for r in reports] == [
         ("layer.self_attn", REWRITTEN, "causal"), ("layer.multihead_attn", REWRITTEN, "none")]
     torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_dynamic_shapes_serve_every_length():
+    """Under ``dynamic=True`` the module's float attributes (``dropout``) are symbolic; in
+    eval mode they are unused and the site is served for every length."""
+    torch.manual_seed(0)
+    module = Caller(nn.MultiheadAttention(E, HEADS, batch_first=True).eval())
+    be = qattn_compile.backend(FLASH, compiler="eager")
+    compiled = torch.compile(module, backend=be, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for length in (5, 11):
+            query, memory = torch.randn(B, length, E), torch.randn(B, length + 2, E)
+            torch.testing.assert_close(compiled(query, memory), module(query, memory), **EXACT)
+    assert [r.status for r in be.site_reports] == [REWRITTEN]

@@ -162,27 +162,51 @@ def test_logit_soft_capping_is_reported():
     torch.testing.assert_close(got, expected)
 
 
+class Mixed(nn.Module):
+    """A view that changes the last two dims: no batch regrouping."""
+
+    def forward(self, q, k, v):
+        scores = (q @ k.mT).view(B, H, L * L // 3, 3).view(B, H, L, L)
+        return scores.softmax(-1) @ v
+
+
+class ReturnsWeights(nn.Module):
+    """OPT-style attention that also returns its probabilities, viewed per head."""
+
+    def forward(self, q, k, v):
+        probs = torch.bmm(q, k.transpose(1, 2)).softmax(-1)
+        return torch.bmm(probs, v), probs.view(B, H, L, L)
+
+
 def test_view_that_mixes_query_rows_into_batch_is_reported_not_served():
-    """A view that changes the last two dims is no batch regrouping."""
-
-    class Mixed(nn.Module):
-        def forward(self, q, k, v):
-            scores = (q @ k.mT).view(B, H, L * L // 3, 3).view(B, H, L, L)
-            return scores.softmax(-1) @ v
-
     expected, got, rec = run(Mixed(), *_qkv())
     (report,) = rec.reports
     assert report.status == FALLBACK and "unsupported op `view` (test_reach.py:" in report.reason
     torch.testing.assert_close(got, expected)
 
 
-def test_reasons_name_no_graph_node():
+@pytest.mark.parametrize("module, inputs, reason", [
+    (SoftCapped(), _qkv, "soft-capping"),
+    (Mixed(), _qkv, "unsupported op `view`"),
+    (ReturnsWeights(), lambda: _rank3(*_qkv()), "the probabilities from `softmax` (test_reach.py:"),
+], ids=["soft-capped", "view", "returns-weights"])
+def test_reasons_name_no_graph_node(module, inputs, reason):
     """Refusal texts quote ops and source lines, never an FX node name."""
-    for module, inputs in [(SoftCapped(), _qkv())]:
-        _compat.reset_dynamo()
-        _, _, rec = run(module, *inputs)
-        for report in rec.reports:
-            assert not [n for n in rec.names if f"`{n}`" in report.reason], report.reason
+    _, _, rec = run(module, *inputs())
+    (report,) = rec.reports
+    assert report.status == FALLBACK and reason in report.reason, report.reason
+    assert not [n for n in rec.names if f"`{n}`" in report.reason], report.reason
+
+
+def test_regrouped_mask_under_dynamic_shapes_falls_back_with_reason():
+    """Moving a mask between batch groupings needs static batch sizes."""
+    module, *inputs = CASES["opt"]()
+    rec = Recorder()
+    with torch.no_grad():
+        got = torch.compile(module, backend=rec, fullgraph=True, dynamic=True)(*inputs)
+    (report,) = rec.reports
+    assert report.status == FALLBACK and "under dynamic shapes" in report.reason
+    torch.testing.assert_close(got, module(*inputs))
 
 
 class Classifier(nn.Module):

@@ -73,6 +73,8 @@ def _output(node: fx.Node, index: int) -> list[fx.Node]:
 def _refusal(node: fx.Node, args: dict) -> str | None:
     """Why the MHA call ``node`` cannot be expanded and served, or None."""
     for name in _CONSTANT_ARGS:
+        if name == "dropout_p" and args["training"] is False:
+            continue  # unused in eval mode (a float attribute is symbolic under dynamic=True)
         if isinstance(args[name], fx.Node):
             return f"nn.MultiheadAttention's `{name}` is computed at run time; only constants are served"
     if any(u.users for u in _output(node, 1)):
@@ -85,7 +87,7 @@ def _refusal(node: fx.Node, args: dict) -> str | None:
             return f"{why} (not served)"
     if args["add_zero_attn"]:
         return "`add_zero_attn=True` appends a zero key/value to every sequence (not served)"
-    if args["training"] and args["dropout_p"]:
+    if args["training"] and args["dropout_p"]:  # both constants here
         return f"dropout p={args['dropout_p']} in training mode (only eval-mode or p=0 dropout is served)"
     query, key, value = (tensor_value(args[n]) for n in ("query", "key", "value"))
     if query is None or key is None or value is None:
