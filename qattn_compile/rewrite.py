@@ -91,11 +91,9 @@ def _build_mask(emit: Emitter, spec: MaskSpec) -> fx.Node | None:
 
 def _regrouped(emit: Emitter, node: fx.Node, regroup: Regroup | None) -> fx.Node:
     """A mask term moved into the site's batch layout (see :class:`Regroup`)."""
-    if regroup is None:
-        return node
-    if regroup.expand:
-        node = emit("expand", node, *regroup.expand, method=True)
-    return emit("reshape", node, *regroup.reshape, method=True)
+    for name, args in regroup.ops if regroup else ():
+        node = emit(name, node, *args, method=True)
+    return node
 
 
 def _permuted(emit: Emitter, node: fx.Node, dims: tuple[int, ...] | None) -> fx.Node:

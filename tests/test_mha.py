@@ -95,6 +95,20 @@ def test_multihead_attention_is_served(need_weights, batch_first, key_padding, a
     torch.testing.assert_close(got, expected, **EXACT)
 
 
+@pytest.mark.parametrize("attn", [None, "bool", "per-head"])
+def test_unbatched_multihead_attention_is_served(attn):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, HEADS, batch_first=True).eval()
+    masks = _masks("float" if attn == "per-head" else "bool", attn)  # one mask dtype: no warning
+    masks = {name: mask[0] if name == "key_padding_mask" else mask for name, mask in masks.items()}
+    if attn == "per-head":
+        masks["attn_mask"] = masks["attn_mask"][:HEADS]  # [1·H, L, S]
+    module = Caller(mha, need_weights=False, **masks)
+    expected, got, reports = compiled_run(module, torch.randn(L, E), torch.randn(S, E))
+    assert [(r.status, r.shapes["q"]) for r in reports] == [(REWRITTEN, [1, HEADS, L, E // HEADS])]
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
 def test_causal_multihead_attention_is_served_as_is_causal():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, HEADS).eval()

@@ -65,10 +65,31 @@ class OptStyle(nn.Module):
     (the scores viewed there and back), ``torch.max`` against ``finfo.min`` left out."""
 
     def forward(self, q, k, v, additive):
+        batch, length = q.shape[0] // H, q.shape[1]
         scores = torch.bmm(q * D**-0.5, k.transpose(1, 2))
-        scores = scores.view(B, H, L, L) + additive
-        scores = scores.view(B * H, L, L)
+        scores = scores.view(batch, H, length, length) + additive
+        scores = scores.view(batch * H, length, length)
         return torch.bmm(F.softmax(scores, dim=-1), v)
+
+
+class OptClamped(nn.Module):
+    """OPT (transformers 4.2x): the masked scores floored at ``finfo.min`` with ``torch.max``."""
+
+    def forward(self, q, k, v, additive):
+        scores = torch.bmm(q, k.transpose(1, 2)) * D**-0.5
+        scores = scores.view(B, H, L, L) + additive
+        scores = torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))
+        return torch.bmm(F.softmax(scores.view(B * H, L, L), dim=-1), v)
+
+
+class ViewedForBmm(nn.Module):
+    """``[B, H, L, D]`` Q and K viewed as ``[B·H, L, D]`` for ``bmm``, the scores viewed back,
+    the second product in ``[B, H, ...]``."""
+
+    def forward(self, q, k, v, masked):
+        scores = torch.bmm(q.reshape(B * H, L, D), k.reshape(B * H, L, D).transpose(1, 2)) / D**0.5
+        scores = scores.view(B, H, L, L).masked_fill(masked, float("-inf"))
+        return torch.matmul(scores.softmax(-1), v)
 
 
 class BloomStyle(nn.Module):
@@ -120,6 +141,8 @@ CASES = {
     "opt": lambda: (OptStyle(), *_rank3(*_qkv()), torch.zeros(B, 1, L, L).masked_fill(_causal(), -1e9)),
     "bloom": lambda: (BloomStyle(), *_rank3(*_qkv()), _causal()),
     "swin": lambda: (SwinStyle(), *_qkv(2 * B), _window_mask(2)),
+    "opt-clamped": lambda: (OptClamped(), *_rank3(*_qkv()), torch.zeros(B, 1, L, L).masked_fill(_causal(), -1e9)),
+    "viewed-for-bmm": lambda: (ViewedForBmm(), *_qkv(), _causal()),
 }
 
 
@@ -178,6 +201,22 @@ class ReturnsWeights(nn.Module):
         return torch.bmm(probs, v), probs.view(B, H, L, L)
 
 
+def test_products_grouped_differently_are_reported():
+    """Q·Kᵀ on ``[B·H, L, D]`` inputs and P·V in ``[B, H, ...]``: the op would need the
+    output regrouped; reported with both groupings."""
+
+    class Mixed3And4(nn.Module):
+        def forward(self, q, k, v):
+            scores = torch.bmm(q, k.transpose(1, 2)).view(B, H, L, L)
+            return torch.matmul(scores.softmax(-1), v.view(B, H, L, D))
+
+    expected, got, rec = run(Mixed3And4(), *_rank3(*_qkv()))
+    (report,) = rec.reports
+    assert report.status == FALLBACK
+    assert "group their batch dims differently: [8] and [2, 4]" in report.reason, report.reason
+    torch.testing.assert_close(got, expected)
+
+
 def test_view_that_mixes_query_rows_into_batch_is_reported_not_served():
     expected, got, rec = run(Mixed(), *_qkv())
     (report,) = rec.reports
@@ -198,15 +237,20 @@ def test_reasons_name_no_graph_node(module, inputs, reason):
     assert not [n for n in rec.names if f"`{n}`" in report.reason], report.reason
 
 
-def test_regrouped_mask_under_dynamic_shapes_falls_back_with_reason():
-    """Moving a mask between batch groupings needs static batch sizes."""
-    module, *inputs = CASES["opt"]()
+@pytest.mark.parametrize("name, status", [("opt", REWRITTEN), ("swin", FALLBACK)])
+def test_regrouped_mask_under_dynamic_shapes(name, status):
+    """Under dynamic shapes a mask is moved between batch groupings as long as no symbolic
+    size must be spelled out: OPT's ``[B, 1, L, L]`` mask (symbolic B, L) is served; Swin's
+    ``[nW, N, N]`` window mask would need B copies (B symbolic) and falls back, saying why."""
+    module, *inputs = CASES[name]()
     rec = Recorder()
     with torch.no_grad():
         got = torch.compile(module, backend=rec, fullgraph=True, dynamic=True)(*inputs)
     (report,) = rec.reports
-    assert report.status == FALLBACK and "under dynamic shapes" in report.reason
-    torch.testing.assert_close(got, module(*inputs))
+    assert report.status == status, report.reason
+    if status == FALLBACK:
+        assert "under dynamic shapes (the dim's size is symbolic)" in report.reason
+    torch.testing.assert_close(got, module(*inputs), **EXACT)
 
 
 class Classifier(nn.Module):

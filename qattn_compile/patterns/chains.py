@@ -7,11 +7,14 @@ Anchored on every softmax, a match walks
   see :mod:`.einsum`, or ``baddbmm``, whose added input is an additive term: BLOOM's ALiBi
   bias) through float casts, views that only regroup the batch dims (OPT's and BLOOM's
   ``[B·H, L, L]`` ↔ ``[B, H, L, L]``, Swin's ``[B·nW, H, N, N]`` ↔ ``[B, nW, H, N, N]``: a mask
-  applied in another grouping is moved into the product's, see :func:`.masks.regroup`), scale factors (``mul``/``div`` by a constant or a
-  run-time scalar, see :mod:`.scaling`), additive masks (``+ mask``) and ``-inf``-like masks
-  (``masked_fill(m, -inf)``, ``where(m, scores, finfo.min)``), in any order. A finite fill
-  (≤ −1e4) becomes a keep term like ``-inf``: the one difference is a row whose every key is
-  filled, which the op gives 0 and the original the mean of V;
+  applied in another grouping is moved into the product's, see :func:`.masks.regroup`;
+  Q and K viewed from tensors grouped as the P·V product are read before the view), scale
+  factors (``mul``/``div`` by a constant or a run-time scalar, see :mod:`.scaling`),
+  additive masks (``+ mask``), ``-inf``-like masks (``masked_fill(m, -inf)``,
+  ``where(m, scores, finfo.min)``) and floors that still mask (OPT's ``torch.max(scores,
+  finfo.min)``), in any order. A finite fill (≤ −1e4) becomes a keep term like ``-inf``: the
+  one difference is a row whose every key is filled, which the op gives 0 and the original
+  the mean of V;
 - forward from the softmax output through float casts, batch-regrouping views and
   eval-mode dropout to the ``P·V`` product, whose output the op replaces.
 
@@ -69,6 +72,8 @@ PATTERN = "matmul_softmax"
 _IDENTITY = Op((), ("contiguous", "clone"))
 TANH = Op((torch.tanh, torch.nn.functional.tanh), ("tanh",))
 BADDBMM = Op((torch.baddbmm,), ("baddbmm",))
+_MAXIMUM = Op((torch.max, torch.maximum), ("max", "maximum"))
+_CLAMP_MIN = Op((torch.clamp, torch.clamp_min), ("clamp", "clamp_min"))
 _REGROUP = Op((torch.reshape, torch.flatten, torch.unflatten), ("reshape", "view", "flatten", "unflatten"))
 _LOOSE_STEPS = 8
 """How far (in ops) a softmax may be from a matmul and still count as a candidate."""
@@ -203,6 +208,8 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, Factor | KeepTerm | fx.Node | No
         return (node.args[0], None) if _is_float_copy(node) else unsupported
     if _regroups(node):
         return node.args[0], None
+    if _MAXIMUM(node) or _CLAMP_MIN(node):
+        return _floor(node) or unsupported
     if MUL(node) or DIV(node):
         if DIV(node) and arg(node, 2, "rounding_mode") is not None:
             return unsupported
@@ -242,6 +249,23 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, Factor | KeepTerm | fx.Node | No
     return unsupported
 
 
+def _floor(node: fx.Node) -> tuple[fx.Node, None] | None:
+    """``(scores, None)`` when ``node`` only raises the scores to a floor that still masks
+    (``torch.max(scores, finfo.min)``, as OPT writes after adding its mask; ``clamp(min=…)``):
+    the floor is at most :data:`MASK_FILL_MAX`, so it changes masked scores only (like a
+    finite fill, see the module docstring)."""
+    if _MAXIMUM(node) and len(node.args) == 2 and not node.kwargs:
+        scores = _score_operand(node, list(node.args))
+        floor = node.args[1] if scores is node.args[0] else node.args[0]
+    elif _CLAMP_MIN(node) and arg(node, 2, "max") is None:
+        scores, floor = node.args[0], arg(node, 1, "min")
+    else:
+        return None
+    if scores is None or not is_minus_inf_like(constant(floor)):
+        return None
+    return scores, None
+
+
 def _regroups(node: fx.Node) -> bool:
     """Whether ``node`` only regroups the batch dims of the scores or probabilities (a
     ``view``/``reshape``/``flatten``/``unflatten`` keeping the last two dims and the dtype:
@@ -249,6 +273,14 @@ def _regroups(node: fx.Node) -> bool:
     val, source = tensor_value(node), tensor_value(node.args[0]) if node.args else None
     return (_REGROUP(node) and val is not None and source is not None and val.dtype == source.dtype
             and val.dim() >= 2 and source.dim() >= 2 and same_shape(val.shape[-2:], source.shape[-2:]))
+
+
+def _unviewed(node: fx.Node, layout: tuple) -> fx.Node | None:
+    """The tensor ``node`` is a batch-regrouping view of (:func:`_regroups`), when its batch
+    dims are ``layout``; else ``None``."""
+    if isinstance(node, fx.Node) and _regroups(node) and same_shape(_batch_dims(node.args[0]), layout):
+        return node.args[0]
+    return None
 
 
 def _batch_dims(node: fx.Node) -> tuple:
@@ -453,10 +485,6 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
     if refusal is None and pv.a_dims is not None:
         refusal = f"the P·V einsum {pv.node.args[0]!r} permutes the probabilities"
     site_layout = _batch_dims(qk.node)
-    if (refusal is None and any(map(_regroups, [*walk.nodes, *prob_nodes]))
-            and not same_shape(site_layout, _batch_dims(pv.node))):
-        refusal = (f"Q·Kᵀ ({describe(qk.node)}) and P·V ({describe(pv.node)}) group their batch dims "
-                   f"differently: {_shown(site_layout)} and {_shown(_batch_dims(pv.node))}")
     if BADDBMM(qk.node):
         bias_steps = _baddbmm_steps(qk.node)
         if isinstance(bias_steps, str):
@@ -466,6 +494,16 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
     q, q_factors, q_stripped = _strip_constant_scale(qk.a)
     k, k_dims, k_factors, k_stripped = _key(qk.b, qk.b_dims)
     v, v_dims = pv.b, pv.b_dims
+    pv_layout = _batch_dims(pv.node)
+    if any(map(_regroups, [*walk.nodes, *prob_nodes])) and not same_shape(site_layout, pv_layout):
+        q_source, k_source = _unviewed(q, pv_layout), _unviewed(k, pv_layout)
+        if refusal is None and (q_source is None or k_source is None or k_dims is not None):
+            refusal = (f"Q·Kᵀ ({describe(qk.node)}) and P·V ({describe(pv.node)}) group their batch dims "
+                       f"differently: {_shown(site_layout)} and {_shown(pv_layout)} (served only when Q "
+                       "and K are views of tensors grouped as P·V's)")
+        elif refusal is None:  # bmm on [B, H, L, D] tensors viewed as [B·H, L, D]
+            q_stripped, k_stripped = [*q_stripped, q], [*k_stripped, k]
+            q, k, site_layout = q_source, k_source, pv_layout
     chain = [*q_stripped, *k_stripped, qk.node, *walk.nodes, softmax, *prob_nodes, pv.node]
     mask, factors, scale_refusal = _mask_and_scale(walk.steps, site_layout)
     factors = [*q_factors, *k_factors, *factors]

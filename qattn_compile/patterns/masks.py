@@ -38,6 +38,7 @@ are never split: their masked entries are ``finfo.min``, not ``-inf``, which dif
 
 from __future__ import annotations
 
+import math
 import operator
 import weakref
 from dataclasses import dataclass, field, replace
@@ -86,35 +87,57 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 class Regroup:
     """A mask term applied to the scores while their batch dims were grouped differently
     (``scores.view(B, H, Lq, Lk)`` of ``[B·H, Lq, Lk]`` scores, Swin's ``view(-1, nW, H, N,
-    N)``): ``term.expand(expand).reshape(reshape)`` (``expand`` empty: reshape only) is the
-    same term in the site's layout. Only the batch groups the term varies along are
-    materialized."""
+    N)``): applying the tensor methods ``ops`` in turn (``(name, args)``: ``unsqueeze``,
+    ``expand``, ``flatten``, ``unflatten``) gives the same term in the site's grouping. Only
+    the batch groups the term varies along are materialized, and sizes are spelled so that
+    symbolic (dynamic) ones are never needed where the term already has them."""
 
-    expand: tuple[int, ...]
-    reshape: tuple[int, ...]
+    ops: tuple[tuple[str, tuple], ...]
 
 
-def _batch_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[range, range]] | None:
-    """The dims of batch layouts ``a`` and ``b`` (equal products) in matching groups: each
-    group of ``a`` holds exactly the elements of its group of ``b``; ``None`` if none fit."""
+def _hint(size):
+    """The example value of a (possibly symbolic) size."""
+    return size if isinstance(size, int) else getattr(getattr(size, "node", None), "hint", None)
+
+
+def _batch_groups(a: tuple, b: tuple) -> list[tuple[range, range]] | None:
+    """The dims of batch layouts ``a`` and ``b`` — one viewed as the other, so their
+    row-major groups are the same for every shape the graph accepts — in matching groups:
+    each group of ``a`` holds exactly the elements of its group of ``b`` (matched on the
+    example sizes; dynamo specializes sizes 0 and 1, so no symbolic size hides a 1);
+    ``None`` if they do not match."""
     groups, i, j = [], 0, 0
     while i < len(a) and j < len(b):
-        ia, jb, pa, pb = i + 1, j + 1, a[i], b[j]
-        while pa != pb:
-            if pa < pb and ia < len(a):
-                pa, ia = pa * a[ia], ia + 1
-            elif pb < pa and jb < len(b):
-                pb, jb = pb * b[jb], jb + 1
-            else:
-                return None
-        groups.append((range(i, ia), range(j, jb)))
-        i, j = ia, jb
-    if any(s != 1 for s in (*a[i:], *b[j:])):
+        pairs = sorted(((ia, jb) for ia in range(i + 1, len(a) + 1) for jb in range(j + 1, len(b) + 1)), key=sum)
+        match = next(((ia, jb) for ia, jb in pairs
+                      if _hint(math.prod(a[i:ia])) == _hint(math.prod(b[j:jb])) is not None), None)
+        if match is None:
+            return None
+        groups.append((range(i, match[0]), range(j, match[1])))
+        i, j = match
+    if not all(is_one(s) for s in (*a[i:], *b[j:])):
         return None
     if groups:  # trailing size-1 dims join the last group
         last_a, last_b = groups[-1]
         groups[-1] = (range(last_a.start, len(a)), range(last_b.start, len(b)))
     return groups
+
+
+def _static(size):
+    """``size`` as an int when it provably is one (a symbolic ``s//(s//4)`` that the shape
+    guards pin to 4), else ``size`` itself."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return hint if isinstance(hint, int) and same_size(size, hint) else size
+
+
+def _unflatten_sizes(sizes: tuple) -> tuple | None:
+    """``sizes`` for ``unflatten``: one symbolic size may be left to ``-1``."""
+    symbolic = [i for i, s in enumerate(sizes) if not isinstance(s, int)]
+    if len(symbolic) > 1:
+        return None
+    return tuple(-1 if i in symbolic else s for i, s in enumerate(sizes))
 
 
 def regroup(term: fx.Node, layout: tuple, site_layout: tuple) -> Regroup | str | None:
@@ -124,26 +147,40 @@ def regroup(term: fx.Node, layout: tuple, site_layout: tuple) -> Regroup | str |
     shape = shape_of(term)
     if shape is None:
         return "a mask term has no recorded example value"
-    last = tuple(shape[-2:]) if len(shape) >= 2 else (1, *shape)
     lead = (1,) * (len(layout) - len(shape[:-2])) + tuple(shape[:-2])
     if len(lead) > len(layout):
         return f"a mask term of shape {list(shape)} has more batch dims than the scores it is added to"
-    if all(is_one(s) for s in lead):
-        if len(shape) <= len(site_layout) + 2:
-            return None
-        return Regroup((), (*(1,) * len(site_layout), *last))
-    sizes = (*layout, *site_layout, *last)
-    if not all(isinstance(s, int) for s in sizes):
-        return "a mask added while the scores' batch dims were regrouped by a view, under dynamic shapes"
-    groups = _batch_groups(tuple(layout), tuple(site_layout))
+    if all(is_one(s) for s in lead) and len(shape) <= len(site_layout) + 2:
+        return None
+    layout, site_layout = tuple(map(_static, layout)), tuple(map(_static, site_layout))
+    groups = _batch_groups(layout, site_layout)
     if groups is None:
-        return f"a view regroups the scores' batch dims {list(layout)} in a way that does not map onto {list(site_layout)}"
-    expand, reshape = list(layout), list(site_layout)
+        return (f"a view regroups the scores' batch dims {list(layout)} in a way that does not "
+                f"map onto {list(site_layout)}")
+    ops = [("unsqueeze", (0,))] * (len(layout) + 2 - len(shape))
+    expand, unflatten = [-1] * (len(layout) + 2), []
     for dims, site_dims in groups:
         if all(is_one(lead[d]) for d in dims):
-            expand[dims.start:dims.stop] = (1,) * len(dims)
-            reshape[site_dims.start:site_dims.stop] = (1,) * len(site_dims)
-    return Regroup((*expand, *last), (*reshape, *last))
+            sizes = (1,) * len(site_dims)
+        else:
+            for d in dims:
+                if not same_size(lead[d], layout[d]):  # 1: broadcast along a dim of the group
+                    if not isinstance(layout[d], int):
+                        return ("a mask constant along a batch dim that a view regroups, under dynamic "
+                                "shapes (the dim's size is symbolic)")
+                    expand[d] = layout[d]
+            sizes = _unflatten_sizes(tuple(site_layout[e] for e in site_dims))
+            if sizes is None:
+                return "a view regroups the scores' batch dims into several symbolic sizes"
+        unflatten.append((dims, sizes))
+    if any(size != -1 for size in expand):
+        ops.append(("expand", tuple(expand)))
+    for dims, sizes in reversed(unflatten):  # last group first: earlier dims keep their index
+        if len(dims) > 1:
+            ops.append(("flatten", (dims.start, dims.stop - 1)))
+        if len(sizes) > 1:
+            ops.append(("unflatten", (dims.start, sizes)))
+    return Regroup(tuple(ops)) if ops else None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ in-projection, heads split, ``F.scaled_dot_product_attention`` with the merged
 serves it like any other SDPA call (same output, named by the module's FQN). The others get
 a site with the reason (:func:`mha_site`): the attention weights are used
 (``need_weights=True``, the module's default, and the caller reads them: a flash kernel never
-forms them), dropout in training, ``add_bias_kv``, ``add_zero_attn``, unbatched inputs, …
+forms them), dropout in training, ``add_bias_kv``, ``add_zero_attn``, …
 
 The fused fast paths (``torch._native_multi_head_attention``, and
 ``torch._transformer_encoder_layer_fwd``, which ``nn.TransformerEncoderLayer`` takes in
@@ -92,8 +92,8 @@ def _refusal(node: fx.Node, args: dict) -> str | None:
     query, key, value = (tensor_value(args[n]) for n in ("query", "key", "value"))
     if query is None or key is None or value is None:
         return "query/key/value have no recorded example values"
-    if query.dim() != 3:
-        return f"unbatched (rank-{query.dim()}) query: only [L, B, E] / [B, L, E] inputs are served"
+    if query.dim() not in (2, 3):
+        return f"rank-{query.dim()} query (nn.MultiheadAttention takes [L, E] or [L, B, E])"
     for name in ("attn_mask", "key_padding_mask"):
         mask = tensor_value(args[name])
         if args[name] is not None and (mask is None or not (mask.dtype == torch.bool or mask.is_floating_point())):
@@ -121,6 +121,17 @@ def _projections(emit: Emitter, args: dict) -> list[fx.Node]:
         weights = [emit(operator.getitem, chunks, i) for i in range(3)]
     inputs = (args["query"], args["key"], args["value"])
     return [emit(F.linear, x, w, b) for x, w, b in zip(inputs, weights, biases)]
+
+
+def _batched(emit: Emitter, args: dict) -> dict:
+    """``args`` with unbatched inputs given a batch of one, as the function does: query,
+    key, value ``[L, E]`` → ``[L, 1, E]``, key_padding_mask ``[S]`` → ``[1, S]``."""
+    if tensor_value(args["query"]).dim() == 3:
+        return args
+    batched = {**args, **{n: emit("unsqueeze", args[n], 1, method=True) for n in ("query", "key", "value")}}
+    if args["key_padding_mask"] is not None:
+        batched["key_padding_mask"] = emit("unsqueeze", args["key_padding_mask"], 0, method=True)
+    return batched
 
 
 def _additive(emit: Emitter, mask: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -154,14 +165,17 @@ def _mask(emit: Emitter, args: dict, heads: int, dtype: torch.dtype) -> tuple[fx
 def _expand(graph: fx.Graph, node: fx.Node, args: dict) -> None:
     """Replace the MHA call ``node`` by its ops (module docstring)."""
     emit = Emitter(graph, node)
-    heads = args["num_heads"]
+    heads, unbatched = args["num_heads"], tensor_value(args["query"]).dim() == 2
     dtype = tensor_value(args["query"]).dtype
+    args = _batched(emit, args)
     q, k, v = (emit("permute", emit("unflatten", x, -1, (heads, -1), method=True), 1, 2, 0, 3, method=True)
                for x in _projections(emit, args))  # [L, B, E] -> [B, H, L, E/H]
     mask, is_causal = _mask(emit, args, heads, dtype)
     attn = emit(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=is_causal)
     merged = emit("flatten", emit("permute", attn, 2, 0, 1, 3, method=True), -2, method=True)  # [Lq, B, E]
     result = emit(F.linear, merged, args["out_proj_weight"], args["out_proj_bias"])
+    if unbatched:
+        result = emit("squeeze", result, 1, method=True)
     for output in _output(node, 0):
         output.replace_all_uses_with(result)
     for user in list(node.users):
