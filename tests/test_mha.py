@@ -226,3 +226,40 @@ def test_dynamic_shapes_serve_every_length():
             query, memory = torch.randn(B, length, E), torch.randn(B, length + 2, E)
             torch.testing.assert_close(compiled(query, memory), module(query, memory), **EXACT)
     assert [r.status for r in be.site_reports] == [REWRITTEN]
+
+
+class ClipAttentionPool(nn.Module):
+    """CLIP's ``AttentionPool2d``: ``F.multi_head_attention_forward`` called directly with
+    separate q/k/v projection weights, the mean token as the query."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.c_proj = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x):  # [L, B, E]
+        x = torch.cat([x.mean(dim=0, keepdim=True), x], dim=0)
+        out, _ = torch.nn.functional.multi_head_attention_forward(
+            query=x[:1], key=x, value=x, embed_dim_to_check=E, num_heads=HEADS,
+            q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
+            v_proj_weight=self.v_proj.weight, in_proj_weight=None,
+            in_proj_bias=torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]),
+            bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0,
+            out_proj_weight=self.c_proj.weight, out_proj_bias=self.c_proj.bias,
+            use_separate_proj_weight=True, training=self.training, need_weights=False)
+        return out.squeeze(0)
+
+
+def test_separate_projection_weights_are_served():
+    """``F.multi_head_attention_forward`` called directly (CLIP's pooling head) and an
+    ``nn.MultiheadAttention`` whose keys and values have their own widths."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ClipAttentionPool()).eval()
+    expected, got, reports = compiled_run(model, torch.randn(S, B, E))
+    assert [(r.fqn, r.module_class, r.status) for r in reports] == [("0", "ClipAttentionPool", REWRITTEN)]
+    torch.testing.assert_close(got, expected, **EXACT)
+    _compat.reset_dynamo()
+    mha = nn.MultiheadAttention(E, HEADS, kdim=12, vdim=12).eval()
+    expected, got, reports = compiled_run(Caller(mha, need_weights=False),
+                                          torch.randn(L, B, E), torch.randn(S, B, 12))
+    assert [r.status for r in reports] == [REWRITTEN]
+    torch.testing.assert_close(got, expected, **EXACT)
