@@ -272,3 +272,45 @@ class Classifier(nn.Module):
 def test_softmax_that_is_not_attention_is_no_site():
     _, _, rec = run(Classifier().eval(), torch.randn(B, L, D))
     assert rec.reports == []
+
+
+class Flex(nn.Module):
+    """FlexAttention with a relative-position score_mod."""
+
+    def forward(self, q, k, v):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score + (q_idx - kv_idx))
+
+
+def test_flex_attention_is_reported():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Flex()
+
+        def forward(self, q, k, v):
+            return self.attn(q, k, v)
+
+    expected, got, rec = run(Block(), *_qkv())
+    assert [(r.fqn, r.module_class, r.pattern, r.status) for r in rec.reports] == [
+        ("attn", "Flex", "flex_attention", FALLBACK)]
+    assert "score_mod/mask_mod" in rec.reports[0].reason
+    torch.testing.assert_close(got, expected)
+
+
+def test_transposed_output_product_is_reported():
+    """``(Vᵀ·Pᵀ)ᵀ`` is attention too: reported (not silently left out), not served."""
+
+    class Transposed(nn.Module):
+        def forward(self, q, k, v):
+            probs = (q @ k.mT * D**-0.5).softmax(-1)
+            return (v.mT @ probs.mT).mT
+
+    expected, got, rec = run(Transposed(), *_qkv())
+    (report,) = rec.reports
+    assert report.status == FALLBACK
+    assert "the probabilities enter `matmul` (test_reach.py:" in report.reason, report.reason
+    assert "Vᵀ·Pᵀ instead of P·V" in report.reason
+    torch.testing.assert_close(got, expected)
+

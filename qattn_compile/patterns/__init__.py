@@ -4,6 +4,7 @@
 - :mod:`.chains`: hand-written ``matmul → scale → mask → softmax → matmul`` chains;
 - :mod:`.mha`: ``nn.MultiheadAttention`` calls (expanded into an SDPA call when served) and
   PyTorch's fused transformer fast paths;
+- :mod:`.flex`: FlexAttention calls (reported, not served);
 - :mod:`.gqa`: K/V repeated per head traced back to the un-repeated tensors;
 - :mod:`.masks`: mask terms and their kind (causal, padding, sliding window, …);
 - :mod:`.scaling`: softmax scale factors (constant or run-time);
@@ -13,6 +14,7 @@
 from torch import fx
 
 from .chains import chain_site
+from .flex import flex_site
 from .mha import expand_mha, mha_site
 from .sdpa import sdpa_site
 from .site import AttentionSite
@@ -26,7 +28,7 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
     """
     sites = []
     for node in gm.graph.nodes:
-        site = sdpa_site(node) or chain_site(node) or mha_site(node)
+        site = sdpa_site(node) or chain_site(node) or mha_site(node) or flex_site(node)
         if site is not None:
             sites.append(site)
     return sites

@@ -320,31 +320,48 @@ def _prob_refusal(node: fx.Node) -> str | None:
     return f"unsupported op {describe(node)} between softmax and the P·V matmul"
 
 
-def _walk_probs(softmax: fx.Node) -> tuple[Contraction | None, list[fx.Node], str | None]:
-    """(the ``P·V`` product, the ops between softmax and it, why they cannot be served).
+def _transposed_pv(node: fx.Node) -> Contraction | None:
+    """``Vᵀ·Pᵀ``: a matmul taking ``node``, a last-two swap of the probabilities, as its
+    right operand (the key axis is still the one contracted)."""
+    if not is_last_two_swap(node):
+        return None
+    for user in node.users:
+        if MATMUL(user) and len(user.args) == 2 and user.args[1] is node and user.args[0] is not node:
+            return Contraction(user, node, user.args[0])
+    return None
+
+
+def _walk_probs(softmax: fx.Node) -> tuple[Contraction | None, list[fx.Node], str | None, bool]:
+    """(the ``P·V`` product, the ops between softmax and it, why they cannot be served,
+    whether the product is ``Vᵀ·Pᵀ``, found only when no ``P·V`` is).
 
     Searches every path of at most :data:`_LOOSE_STEPS` ops that pass the probabilities
     on as first argument, so a second user of the probabilities (returned weights, a
     ``detach``) does not hide the matmul; the reuse itself is refused later.
     """
 
-    def search(node: fx.Node, path: list[fx.Node]):
-        pv = next(filter(None, (_pv_product(u, node) for u in node.users)), None)
+    def search(node: fx.Node, path: list[fx.Node], find):
+        pv = find(node)
         if pv is not None:
             return pv, path
         if len(path) < _LOOSE_STEPS:
             for user in node.users:
                 if user.op in ("call_function", "call_method") and user.args and user.args[0] is node:
-                    found = search(user, [*path, user])
+                    found = search(user, [*path, user], find)
                     if found is not None:
                         return found
         return None
 
-    found = search(softmax, [])
+    found = search(softmax, [], lambda node: next(filter(None, (_pv_product(u, node) for u in node.users)), None))
+    if found is not None:
+        pv, path = found
+        return pv, path, next(filter(None, map(_prob_refusal, path)), None), False
+    found = search(softmax, [], _transposed_pv)
     if found is None:
-        return None, [], None
+        return None, [], None, False
     pv, path = found
-    return pv, path, next(filter(None, map(_prob_refusal, path)), None)
+    return pv, path, (f"the probabilities enter {describe(pv.node)} transposed, as its right operand "
+                           "(Vᵀ·Pᵀ instead of P·V): not served"), True
 
 
 def _strip_constant_scale(node) -> tuple[fx.Node, list[Factor], list[fx.Node]]:
@@ -466,11 +483,11 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
     is not a candidate (no matmul before and after it)."""
     if not SOFTMAX(softmax):
         return None
-    pv, prob_nodes, refusal = _walk_probs(softmax)
+    pv, prob_nodes, refusal, transposed = _walk_probs(softmax)
     if pv is None:
         return None
     walk = _walk_scores(softmax)
-    qk_node = walk.qk or _nearby_product(walk.stop)
+    qk_node = walk.qk or (None if transposed else _nearby_product(walk.stop))
     if qk_node is None:
         return None
     qk = _scores_product(qk_node)
