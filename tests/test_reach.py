@@ -314,3 +314,29 @@ def test_transposed_output_product_is_reported():
     assert "Vᵀ·Pᵀ instead of P·V" in report.reason
     torch.testing.assert_close(got, expected)
 
+
+
+@pytest.mark.parametrize("term_shape, layout, site_layout", [
+    ((2, 1, 5, 6), (2, 4), (8,)),  # OPT: [B, 1, Lq, Lk] added in [B, H, ...], site [B·H, ...]
+    ((8, 1, 6), (8,), (2, 4)),  # BLOOM's ALiBi in [B·H, ...], site [B, H, ...]
+    ((1, 3, 1, 5, 6), (2, 3, 4), (6, 4)),  # Swin: [1, nW, 1, N, N] in [B, nW, H, ...]
+    ((3, 1, 1, 6), (2, 3, 4), (6, 4)),  # rank below the layout's
+    ((1, 1, 1, 5, 6), (2, 3, 4), (6, 4)),  # constant along every batch dim, one rank too many
+    ((2, 3, 4, 5, 6), (2, 3, 4), (24,)),
+    ((6,), (2, 3), (3, 2)),  # a key-axis vector broadcasts in any grouping
+    ((2, 1, 5, 6), (2, 3), (3, 2)),  # (2, 3) <-> (3, 2) is one group: materialized
+])
+def test_regroup_moves_a_term_between_batch_groupings(term_shape, layout, site_layout):
+    from qattn_compile.patterns.masks import regroup
+
+    term = torch.randn(term_shape)
+    node = fx.Graph().placeholder("term")
+    node.meta["example_value"] = term
+    moved = regroup(node, layout, site_layout)
+    got = term
+    for name, args in moved.ops if moved else ():
+        got = getattr(got, name)(*args)
+    last = (5, 6)
+    expected = term.expand(*layout, *last).reshape(*site_layout, *last)
+    assert got.dim() <= len(site_layout) + 2
+    torch.testing.assert_close(got.expand(*site_layout, *last), expected)

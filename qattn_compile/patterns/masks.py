@@ -128,7 +128,7 @@ def _static(size):
     guards pin to 4), else ``size`` itself."""
     if isinstance(size, int):
         return size
-    hint = getattr(getattr(size, "node", None), "hint", None)
+    hint = _hint(size)
     return hint if isinstance(hint, int) and same_size(size, hint) else size
 
 
@@ -163,8 +163,8 @@ def regroup(term: fx.Node, layout: tuple, site_layout: tuple) -> Regroup | str |
         if all(is_one(lead[d]) for d in dims):
             sizes = (1,) * len(site_dims)
         else:
-            for d in dims:
-                if not same_size(lead[d], layout[d]):  # 1: broadcast along a dim of the group
+            for d in dims:  # a term's dim is 1 (broadcast) or, as the add required, the scores'
+                if is_one(lead[d]) and not is_one(layout[d]):
                     if not isinstance(layout[d], int):
                         return ("a mask constant along a batch dim that a view regroups, under dynamic "
                                 "shapes (the dim's size is symbolic)")

@@ -58,9 +58,13 @@ def _is_mha(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is _MHA
 
 
-def _bound(node: fx.Node) -> dict:
-    """``F.multi_head_attention_forward``'s arguments by name, defaults filled in."""
-    bound = _SIGNATURE.bind(*node.args, **node.kwargs)
+def _bound(node: fx.Node) -> dict | None:
+    """``F.multi_head_attention_forward``'s arguments by name, defaults filled in; ``None``
+    when they do not fit this torch's signature."""
+    try:
+        bound = _SIGNATURE.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -70,8 +74,10 @@ def _output(node: fx.Node, index: int) -> list[fx.Node]:
     return [u for u in node.users if GETITEM(u) and u.args[1] == index]
 
 
-def _refusal(node: fx.Node, args: dict) -> str | None:
-    """Why the MHA call ``node`` cannot be expanded and served, or None."""
+def _refusal(node: fx.Node, args: dict | None) -> str | None:
+    """Why the MHA call ``node`` (arguments ``args``) cannot be expanded and served, or None."""
+    if args is None:
+        return "F.multi_head_attention_forward is called with arguments this torch does not know"
     for name in _CONSTANT_ARGS:
         if name == "dropout_p" and args["training"] is False:
             continue  # unused in eval mode (a float attribute is symbolic under dynamic=True)
@@ -207,7 +213,7 @@ def mha_site(node: fx.Node) -> AttentionSite | None:
         q = k = v = node.args[0]
     elif _is_mha(node):
         args = _bound(node)
-        q, k, v = args["query"], args["key"], args["value"]
+        q, k, v = (node.args[0],) * 3 if args is None else (args["query"], args["key"], args["value"])
         refusal = _refusal(node, args) or "nn.MultiheadAttention is one opaque op until the rewrite expands it"
     else:
         return None
