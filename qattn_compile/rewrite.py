@@ -6,7 +6,9 @@ correct shapes):
 
 1. run-time scale factors multiplied into q (the op's ``scale`` takes the constant part);
 2. Kᵀ transposed back when the chain held the key only transposed;
-3. the mask: keep terms ANDed (``masked_fill`` masks negated: True = attend), additive
+3. the mask: each term first moved into the site's batch layout when it was applied while
+   a ``view`` regrouped the scores' batch dims (OPT/BLOOM's ``[B·H, L, L]`` ↔ ``[B, H, L, L]``,
+   Swin's windows); keep terms ANDed (``masked_fill`` masks negated: True = attend), additive
    terms summed (each times the scale factors applied after it), and both together as
    ``where(keep, additive, -inf)``. A causal comparison proven from ``arange`` indices
    (:func:`~qattn_compile.patterns.masks.split_causal`) is left out of the keep terms and
@@ -31,17 +33,16 @@ from torch import fx
 
 from . import _compat, ops
 from .errors import PolicyError, UnsupportedSiteError
-from .patterns import AttentionSite, ModuleNames, find_attention_sites
-from .patterns.masks import MaskSpec, split_causal
-from .patterns.nodes import example_value, mutates, shape_of, tensor_value
+from .patterns import AttentionSite, ModuleNames, expand_mha, find_attention_sites
+from .patterns.emit import Emitter
+from .patterns.masks import MaskSpec, Regroup, split_causal
+from .patterns.nodes import mutates, shape_of, tensor_value
 from .policy import Decision, Policy
 from .presets import KernelOptions
 from .report import FALLBACK, LEFT_ALONE, REWRITTEN, SiteReport
 from .scales import options_for_site, site_keys
 
 log = logging.getLogger("qattn_compile.rewrite")
-
-_PROVENANCE = ("nn_module_stack", "stack_trace")
 
 
 def _site_dtype_device(site: AttentionSite):
@@ -76,69 +77,48 @@ def _tier_inputs(site: AttentionSite, decision: Decision) -> dict:
             "scale": site.scale, "causal": bool(site.is_causal or causal_from_mask)}
 
 
-class _Emitter:
-    """Inserts nodes before ``anchor``, with its provenance and fake example values."""
-
-    def __init__(self, graph: fx.Graph, anchor: fx.Node):
-        self.graph, self.anchor = graph, anchor
-
-    def __call__(self, target, *args, method: bool = False) -> fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.create_node("call_method" if method else "call_function", target, args)
-        node.meta.update({key: self.anchor.meta[key] for key in _PROVENANCE if key in self.anchor.meta})
-        value = self._example(target, args, method)
-        if value is not None:
-            node.meta["example_value"] = value
-        return node
-
-    @staticmethod
-    def _example(target, args, method: bool):
-        """``target(*args)`` on the args' fake values, in their fake mode (None without one).
-
-        ``args`` is flat: nodes and constants.
-        """
-        values = [example_value(a) if isinstance(a, fx.Node) else a for a in args]
-        mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
-        if mode is None:
-            return None
-        with mode:
-            return getattr(values[0], target)(*values[1:]) if method else target(*values)
-
-
-def _scaled(emit: _Emitter, node: fx.Node, factors) -> fx.Node:
+def _scaled(emit: Emitter, node: fx.Node, factors) -> fx.Node:
     """``node`` multiplied (or divided) by each factor in turn."""
     for factor in factors:
         node = emit(operator.truediv if factor.divide else operator.mul, node, factor.value)
     return node
 
 
-def _build_mask(emit: _Emitter, spec: MaskSpec) -> fx.Node | None:
+def _build_mask(emit: Emitter, spec: MaskSpec) -> fx.Node | None:
     """The op's one mask from the mask terms ``spec`` (see the module docstring)."""
     keep = None
     for term in spec.keep:
-        node = emit(torch.logical_not, term.node) if term.negate else term.node
+        node = _regrouped(emit, term.node, term.regroup)
+        node = emit(torch.logical_not, node) if term.negate else node
         keep = node if keep is None else emit(torch.logical_and, keep, node)
     additive = None
     for term in spec.additive:
-        node = _scaled(emit, term.node, term.factors)
+        node = _scaled(emit, _regrouped(emit, term.node, term.regroup), term.factors)
         additive = node if additive is None else emit(operator.add, additive, node)
     if keep is None or additive is None:
         return keep if additive is None else additive
     return emit(torch.where, keep, additive, -math.inf)
 
 
-def _permuted(emit: _Emitter, node: fx.Node, dims: tuple[int, ...] | None) -> fx.Node:
+def _regrouped(emit: Emitter, node: fx.Node, regroup: Regroup | None) -> fx.Node:
+    """A mask term moved into the site's batch layout (see :class:`Regroup`)."""
+    for name, args in regroup.ops if regroup else ():
+        node = emit(name, node, *args, method=True)
+    return node
+
+
+def _permuted(emit: Emitter, node: fx.Node, dims: tuple[int, ...] | None) -> fx.Node:
     """``node.permute(dims)``, or ``node`` when ``dims`` is None."""
     return node if dims is None else emit("permute", node, *dims, method=True)
 
 
-def _build_query(emit: _Emitter, site: AttentionSite) -> fx.Node:
+def _build_query(emit: Emitter, site: AttentionSite) -> fx.Node:
     """q in the op's layout with the run-time scale factors (which are in the scores'
     layout) multiplied in, in q's dtype."""
     return _cast_like(emit, _scaled(emit, _permuted(emit, site.q, site.q_dims), site.scale_factors), site.q)
 
 
-def _cast_like(emit: _Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
+def _cast_like(emit: Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
     """``node`` cast to the dtype of ``like`` when their example dtypes differ."""
     have, want = tensor_value(node), tensor_value(like)
     if have is None or want is None or have.dtype == want.dtype:
@@ -172,7 +152,7 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
     """Replace ``site`` by the op with the preset and options of ``decision``."""
     preset = decision.preset
     graph = site.anchor.graph  # gm's, or a nested compile region's subgraph's
-    emit = _Emitter(graph, site.anchor)
+    emit = Emitter(graph, site.anchor)
     q, k, v = _build_query(emit, site), _permuted(emit, site.k, site.k_dims), _permuted(emit, site.v, site.v_dims)
     spec, causal_from_mask = split_causal(site.mask)
     mask = _build_mask(emit, spec)
@@ -219,6 +199,7 @@ def rewrite_attention(
     also serves modules the policy decides differently (both before the graph is modified).
     """
     reports, chosen = [], []
+    expand_mha(gm)
     sites = find_attention_sites(gm, names)
     for site, key in zip(sites, site_keys([s.fqn for s in sites])):
         decision = _shared_decision(site, key, policy.decide(site.fqn, site.module_class), policy)

@@ -5,7 +5,8 @@ the architecture has it) in eval mode with example inputs, for either attention
 implementation transformers offers (``eager``: hand-written matmul/softmax chains;
 ``sdpa``: ``F.scaled_dot_product_attention``). Offline: nothing is downloaded.
 ``attention_classes`` names the module classes holding one attention computation each, so
-a test can check that every attention module became exactly one site.
+a test can check that every attention module became exactly one site. :data:`TORCH_ZOO`
+holds PyTorch's own attention modules (``nn.MultiheadAttention``, the transformer layers).
 
 Every model the CLI and tests run (here, in :mod:`qattn_compile.models` and
 :mod:`qattn_compile.specs`) comes as a :class:`ModelBundle`: the model, its example inputs
@@ -234,6 +235,74 @@ ZOO: dict[str, ZooEntry] = {
 """Every zoo architecture by name."""
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+class AttentionPool(torch.nn.Module):
+    """A vision-style pooling head: one learned query attends over the tokens through
+    ``nn.MultiheadAttention`` called with its defaults (``need_weights=True``, the weights
+    dropped), then a classifier."""
+
+    def __init__(self, dim: int = HIDDEN, heads: int = HEADS, classes: int = 10):
+        super().__init__()
+        self.patch = torch.nn.Linear(3 * PATCH * PATCH, dim)
+        self.query = torch.nn.Parameter(torch.randn(1, 1, dim))
+        self.attn = torch.nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        patches = torch.nn.functional.unfold(pixel_values, PATCH, stride=PATCH).transpose(1, 2)
+        tokens = self.patch(patches)
+        pooled, _ = self.attn(self.query.expand(tokens.shape[0], -1, -1), tokens, tokens)
+        return self.head(pooled[:, 0])
+
+
+def _transformer_encoder(attn_implementation: str = "torch", seq_len: int = 24, batch: int = 2) -> ModelBundle:
+    """``nn.TransformerEncoder`` (batch first, a key padding mask): in eval mode without
+    gradients PyTorch runs each layer as one fused op (its fast path)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False).eval()
+    padding = _tokens(batch, seq_len)["attention_mask"] == 0
+    inputs = {"src": torch.randn(batch, seq_len, HIDDEN), "src_key_padding_mask": padding}
+    return ModelBundle("transformer_encoder", model, kwargs=inputs)
+
+
+def _transformer_decoder(attn_implementation: str = "torch", seq_len: int = 24, batch: int = 2) -> ModelBundle:
+    """``nn.TransformerDecoder``: causal self-attention and cross-attention per layer."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerDecoderLayer(HIDDEN, HEADS, FFN, batch_first=True)
+    model = torch.nn.TransformerDecoder(layer, LAYERS).eval()
+    inputs = {
+        "tgt": torch.randn(batch, seq_len, HIDDEN),
+        "memory": torch.randn(batch, seq_len + 3, HIDDEN),
+        "tgt_mask": torch.nn.Transformer.generate_square_subsequent_mask(seq_len),
+        "tgt_is_causal": True,
+    }
+    return ModelBundle("transformer_decoder", model, kwargs=inputs)
+
+
+def _attention_pool(attn_implementation: str = "torch", seq_len: int = 0, batch: int = 2) -> ModelBundle:
+    torch.manual_seed(0)
+    return ModelBundle("attention_pool", AttentionPool().eval(), kwargs=_pixels(batch))
+
+
+TORCH_ZOO: dict[str, ZooEntry] = {
+    entry.name: entry
+    for entry in (
+        ZooEntry("transformer_encoder", "encoder", ("MultiheadAttention",), _transformer_encoder),
+        ZooEntry("transformer_decoder", "decoder", ("MultiheadAttention",), _transformer_decoder),
+        ZooEntry("attention_pool", "vision", ("MultiheadAttention",), _attention_pool),
+    )
+}
+"""PyTorch's own attention modules (``nn.MultiheadAttention`` and the layers built on it),
+with no attention implementation to choose (``build`` ignores it)."""
+
+
+def attention_like_modules(model: torch.nn.Module) -> list[str]:
+    """FQNs of every module that looks like attention: its class name contains "Attention",
+    or it is an ``nn.MultiheadAttention``. Every one must hold (or be) a reported site."""
+    return [name for name, module in model.named_modules()
+            if "Attention" in type(module).__name__ or isinstance(module, torch.nn.MultiheadAttention)]
 
 
 def attention_modules(bundle: ModelBundle, entry: ZooEntry) -> list[str]:

@@ -15,7 +15,14 @@ import torch.nn.functional as F
 import qattn_compile
 from qattn_compile import _compat
 from qattn_compile.report import FALLBACK, LEFT_ALONE, REWRITTEN, count_by_pattern
-from qattn_compile.zoo import ATTN_IMPLEMENTATIONS, ZOO, attention_modules, main_output
+from qattn_compile.zoo import (
+    ATTN_IMPLEMENTATIONS,
+    TORCH_ZOO,
+    ZOO,
+    attention_like_modules,
+    attention_modules,
+    main_output,
+)
 
 INT_FLASH = {"qattn": 1, "default": "int_flash"}
 FLASH = {"qattn": 1, "default": "flash"}
@@ -76,6 +83,35 @@ def test_every_attention_module_is_one_rewritten_site(name, impl):
     assert all(r.module_class in ZOO[name].attention_classes and r.source for r in reports)
     assert {r.mask_kind for r in reports} == MASK_KINDS[name]
     assert all(r.causal_fast_path == ("causal" in r.mask_kind) for r in reports)
+    assert not unreported(bundle.model, reports)
+    assert cosine(got, expected) >= COS_FLOOR
+
+
+def unreported(model: torch.nn.Module, reports) -> list[str]:
+    """The attention-like modules of ``model`` (class name containing "Attention", every
+    ``nn.MultiheadAttention``) that neither are nor hold a reported site."""
+    return [name for name in attention_like_modules(model)
+            if not any(not name or r.fqn == name or r.fqn.startswith(f"{name}.") for r in reports)]
+
+
+TORCH_STATUS = {"transformer_encoder": FALLBACK, "transformer_decoder": REWRITTEN, "attention_pool": REWRITTEN}
+
+
+@pytest.mark.parametrize("name", TORCH_ZOO)
+def test_every_torch_attention_module_is_reported(name):
+    """PyTorch's own attention: every ``nn.MultiheadAttention`` is a site, served or with
+    its reason (the encoder's fused fast path, which runs a whole layer as one op)."""
+    bundle = TORCH_ZOO[name].build()
+    be = qattn_compile.backend(INT_FLASH, compiler="eager")
+    compiled = torch.compile(bundle.model, backend=be, fullgraph=True)
+    with torch.no_grad():
+        expected, got = bundle.model(**bundle.kwargs), compiled(**bundle.kwargs)
+    reports = be.site_reports
+    modules = dict(bundle.model.named_modules())
+    assert reports and not unreported(bundle.model, reports)
+    assert all(type(modules[r.fqn]).__name__ == r.module_class == "MultiheadAttention" for r in reports)
+    assert {r.status for r in reports} == {TORCH_STATUS[name]}, [r.reason for r in reports]
+    assert all(r.status == REWRITTEN or "set_fastpath_enabled(False)" in r.reason for r in reports)
     assert cosine(got, expected) >= COS_FLOOR
 
 

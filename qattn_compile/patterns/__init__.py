@@ -2,6 +2,9 @@
 
 - :mod:`.sdpa`: ``F.scaled_dot_product_attention`` calls;
 - :mod:`.chains`: hand-written ``matmul → scale → mask → softmax → matmul`` chains;
+- :mod:`.mha`: ``nn.MultiheadAttention`` calls (expanded into an SDPA call when served) and
+  PyTorch's fused transformer fast paths;
+- :mod:`.flex`: FlexAttention calls (reported, not served);
 - :mod:`.gqa`: K/V repeated per head traced back to the un-repeated tensors;
 - :mod:`.masks`: mask terms and their kind (causal, padding, sliding window, …);
 - :mod:`.scaling`: softmax scale factors (constant or run-time);
@@ -13,6 +16,8 @@ from torch import fx
 
 from . import regions
 from .chains import chain_site
+from .flex import flex_site
+from .mha import expand_mha, mha_site
 from .sdpa import sdpa_site
 from .site import AttentionSite, ModuleNames
 
@@ -22,7 +27,9 @@ def find_attention_sites(gm: fx.GraphModule, names: ModuleNames | None = None) -
     the sites of each nested compile region's subgraph (:mod:`.regions`) at its first call.
 
     Each site is named by ``names`` (default: the module tree of the frame dynamo is
-    compiling now, see :class:`ModuleNames`). Pure: the graph is not modified.
+    compiling now, see :class:`ModuleNames`). Pure: the graph is not modified (the
+    rewrite first runs :func:`expand_mha`, so that a served ``nn.MultiheadAttention``
+    is found as its SDPA call).
     """
     names = ModuleNames.of_traced_frame() if names is None else names
     calls = regions.region_calls(gm)
@@ -33,9 +40,13 @@ def find_attention_sites(gm: fx.GraphModule, names: ModuleNames | None = None) -
             subgraph = first_calls[node]
             callers = [names.name(call)[0] for call in calls[subgraph]]
             sites += [_in_region(site, callers) for site in find_attention_sites(subgraph, names)]
-        site = sdpa_site(node) or chain_site(node)
+        site = sdpa_site(node) or chain_site(node) or mha_site(node) or flex_site(node)
         if site is not None:
             site.fqn, site.module_class, site.serves = names.name(site.anchor)
+            if site.child is not None:
+                attribute, site.module_class = site.child
+                site.fqn = f"{site.fqn}.{attribute}" if site.fqn else attribute
+                site.serves = tuple(f"{name}.{attribute}" for name in site.serves)
             sites.append(site)
     return sites
 
@@ -55,4 +66,4 @@ def _in_region(site: AttentionSite, callers: list[str]) -> AttentionSite:
     return site
 
 
-__all__ = ["AttentionSite", "ModuleNames", "find_attention_sites"]
+__all__ = ["AttentionSite", "ModuleNames", "expand_mha", "find_attention_sites"]

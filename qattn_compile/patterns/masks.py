@@ -2,7 +2,9 @@
 
 A site's mask is a :class:`MaskSpec`: boolean *keep* terms (ANDed; True = attend) and
 *additive* terms (summed into the scores, each multiplied by the scale factors applied
-after it). The rewrite combines them into the op's one mask; this module only describes.
+after it; a term applied while a view regrouped the scores' batch dims carries the
+:class:`Regroup` that moves it into the site's grouping). The rewrite combines them into the
+op's one mask; this module only describes.
 
 :func:`mask_kind` names a mask from the subgraph that built it, recognising how
 transformers builds masks under torch.compile (``masking_utils.sdpa_mask``: index tensors
@@ -36,6 +38,7 @@ are never split: their masked entries are ``finfo.min``, not ``-inf``, which dif
 
 from __future__ import annotations
 
+import math
 import operator
 import weakref
 from dataclasses import dataclass, field, replace
@@ -82,6 +85,106 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
+class Regroup:
+    """A mask term applied to the scores while their batch dims were grouped differently
+    (``scores.view(B, H, Lq, Lk)`` of ``[B·H, Lq, Lk]`` scores, Swin's ``view(-1, nW, H, N,
+    N)``): applying the tensor methods ``ops`` in turn (``(name, args)``: ``unsqueeze``,
+    ``expand``, ``flatten``, ``unflatten``) gives the same term in the site's grouping. Only
+    the batch groups the term varies along are materialized, and sizes are spelled so that
+    symbolic (dynamic) ones are never needed where the term already has them."""
+
+    ops: tuple[tuple[str, tuple], ...]
+
+
+def _hint(size):
+    """The example value of a (possibly symbolic) size."""
+    return size if isinstance(size, int) else getattr(getattr(size, "node", None), "hint", None)
+
+
+def _batch_groups(a: tuple, b: tuple) -> list[tuple[range, range]] | None:
+    """The dims of batch layouts ``a`` and ``b`` — one viewed as the other, so their
+    row-major groups are the same for every shape the graph accepts — in matching groups:
+    each group of ``a`` holds exactly the elements of its group of ``b`` (matched on the
+    example sizes; dynamo specializes sizes 0 and 1, so no symbolic size hides a 1);
+    ``None`` if they do not match."""
+    groups, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        pairs = sorted(((ia, jb) for ia in range(i + 1, len(a) + 1) for jb in range(j + 1, len(b) + 1)), key=sum)
+        match = next(((ia, jb) for ia, jb in pairs
+                      if _hint(math.prod(a[i:ia])) == _hint(math.prod(b[j:jb])) is not None), None)
+        if match is None:
+            return None
+        groups.append((range(i, match[0]), range(j, match[1])))
+        i, j = match
+    if not all(is_one(s) for s in (*a[i:], *b[j:])):
+        return None
+    if groups:  # trailing size-1 dims join the last group
+        last_a, last_b = groups[-1]
+        groups[-1] = (range(last_a.start, len(a)), range(last_b.start, len(b)))
+    return groups
+
+
+def _static(size):
+    """``size`` as an int when it provably is one (a symbolic ``s//(s//4)`` that the shape
+    guards pin to 4), else ``size`` itself."""
+    if isinstance(size, int):
+        return size
+    hint = _hint(size)
+    return hint if isinstance(hint, int) and same_size(size, hint) else size
+
+
+def _unflatten_sizes(sizes: tuple) -> tuple | None:
+    """``sizes`` for ``unflatten``: one symbolic size may be left to ``-1``."""
+    symbolic = [i for i, s in enumerate(sizes) if not isinstance(s, int)]
+    if len(symbolic) > 1:
+        return None
+    return tuple(-1 if i in symbolic else s for i, s in enumerate(sizes))
+
+
+def regroup(term: fx.Node, layout: tuple, site_layout: tuple) -> Regroup | str | None:
+    """How to move mask term ``term``, applied to scores of batch dims ``layout``, to
+    scores of batch dims ``site_layout`` (see :class:`Regroup`); ``None`` when it broadcasts
+    the same way in both; a string says why it cannot be moved."""
+    shape = shape_of(term)
+    if shape is None:
+        return "a mask term has no recorded example value"
+    lead = (1,) * (len(layout) - len(shape[:-2])) + tuple(shape[:-2])
+    if len(lead) > len(layout):
+        return f"a mask term of shape {list(shape)} has more batch dims than the scores it is added to"
+    if all(is_one(s) for s in lead) and len(shape) <= len(site_layout) + 2:
+        return None
+    layout, site_layout = tuple(map(_static, layout)), tuple(map(_static, site_layout))
+    groups = _batch_groups(layout, site_layout)
+    if groups is None:
+        return (f"a view regroups the scores' batch dims {list(layout)} in a way that does not "
+                f"map onto {list(site_layout)}")
+    ops = [("unsqueeze", (0,))] * (len(layout) + 2 - len(shape))
+    expand, unflatten = [-1] * (len(layout) + 2), []
+    for dims, site_dims in groups:
+        if all(is_one(lead[d]) for d in dims):
+            sizes = (1,) * len(site_dims)
+        else:
+            for d in dims:  # a term's dim is 1 (broadcast) or, as the add required, the scores'
+                if is_one(lead[d]) and not is_one(layout[d]):
+                    if not isinstance(layout[d], int):
+                        return ("a mask constant along a batch dim that a view regroups, under dynamic "
+                                "shapes (the dim's size is symbolic)")
+                    expand[d] = layout[d]
+            sizes = _unflatten_sizes(tuple(site_layout[e] for e in site_dims))
+            if sizes is None:
+                return "a view regroups the scores' batch dims into several symbolic sizes"
+        unflatten.append((dims, sizes))
+    if any(size != -1 for size in expand):
+        ops.append(("expand", tuple(expand)))
+    for dims, sizes in reversed(unflatten):  # last group first: earlier dims keep their index
+        if len(dims) > 1:
+            ops.append(("flatten", (dims.start, dims.stop - 1)))
+        if len(sizes) > 1:
+            ops.append(("unflatten", (dims.start, sizes)))
+    return Regroup(tuple(ops)) if ops else None
+
+
+@dataclass(frozen=True)
 class KeepTerm:
     """A boolean mask term. ``negate=False``: True marks keys to attend (``where(m, s, -inf)``,
     SDPA bool masks); ``negate=True``: True marks masked keys (``masked_fill(m, -inf)``)."""
@@ -90,6 +193,8 @@ class KeepTerm:
     negate: bool = False
     fill: float = float("-inf")
     """What the masked scores are set to in the graph (``-inf``, or a finite value ≤ -1e4)."""
+    regroup: Regroup | None = None
+    """How to bring the term from the batch layout it was applied in to the site's."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +203,10 @@ class AdditiveTerm:
 
     node: fx.Node
     factors: tuple[Factor, ...] = ()
+    regroup: Regroup | None = None
+    """How to bring the term from the batch layout it was applied in to the site's."""
+    kind: str | None = None
+    """The term's kind when known from how it was applied (a ``baddbmm`` bias: ``additive``)."""
 
 
 @dataclass
@@ -439,7 +548,7 @@ def mask_kind(spec: MaskSpec, is_causal: bool) -> str:
         else:
             kinds |= _bool_kinds(term.node)
     for term in spec.additive:
-        kinds |= _additive_kinds(term.node)
+        kinds |= {term.kind} if term.kind else _additive_kinds(term.node)
     return "+".join(k for k in KIND_ORDER if k in kinds) or "none"
 
 
@@ -590,7 +699,7 @@ def split_causal(spec: MaskSpec) -> tuple[MaskSpec, bool]:
     (see the module docstring). ``(spec, False)`` unchanged when nothing is proven."""
     keep, proven = [], False
     for term in spec.keep:
-        rest = None if term.negate else _without_causal(term.node)
+        rest = None if term.negate or term.regroup else _without_causal(term.node)
         if rest is None:
             keep.append(term)
         else:

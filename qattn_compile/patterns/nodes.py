@@ -10,6 +10,8 @@ keyword, and compare (possibly symbolic) shapes without adding guards.
 from __future__ import annotations
 
 import operator
+import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,21 +180,37 @@ def grad_refusal(output: fx.Node, inputs: dict[str, Any]) -> str | None:
     """Why an attention whose result is ``output`` cannot be served for gradients, or None.
 
     Only a result that requires grad is refused: the graph was traced with grad mode on and
-    some input (named by the keys of ``inputs``) requires grad. Under ``torch.no_grad()`` or
-    ``torch.inference_mode()`` a parameter used directly as K/V still requires grad itself,
-    but no gradient will flow through the attention, so it is served."""
+    some input (named by the keys of ``inputs``; a value is a node or a list of nodes)
+    requires grad. Under ``torch.no_grad()`` or ``torch.inference_mode()`` a parameter used
+    directly as K/V still requires grad itself, but no gradient will flow through the
+    attention, so it is served."""
     if not requires_grad(output):
         return None
-    names = [name for name, node in inputs.items() if requires_grad(node)] or ["an input"]
+    names = [name for name, nodes in inputs.items()
+             if any(map(requires_grad, nodes if isinstance(nodes, (list, tuple)) else [nodes]))]
+    names = names or ["an input"]
     verb = "requires" if len(names) == 1 else "require"
     return (f"{', '.join(names)} {verb} grad with grad mode on (training through qattn is "
             "not served; run inference under torch.no_grad() or torch.inference_mode())")
 
 
+def line_of(node: fx.Node) -> str | None:
+    """``file.py:line`` of the user code that produced ``node`` (the innermost frame of
+    dynamo's stack trace; the file's base name), or ``None``."""
+    found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    if not found:
+        return None
+    path, line = found[-1]
+    return f"{os.path.basename(path)}:{line}"
+
+
 def describe(node: fx.Node) -> str:
-    """``name = target`` for messages (``attn_weights_2 = masked_fill``)."""
+    """What ``node`` is, in the user's terms for messages: the op as the model's code calls
+    it and where (``masked_fill`` at ``model.py:120``). Never the FX node's name, which
+    the user never wrote."""
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return f"`{node.name}` ({target})"
+    line = line_of(node)
+    return f"`{target}` ({line})" if line else f"`{target}`"
 
 
 _AUGMENTED = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .nodes import broadcasts_into, constant, example_value, is_one
+from .nodes import broadcasts_into, constant, describe, example_value, is_one
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ def as_factor(value, divide: bool, scores_shape: Sequence) -> Factor | str:
         if val.dim() == 0 or (is_one(shape[-1]) and broadcasts_into(shape, scores_shape)):
             return Factor(value, divide)
         return f"scores are scaled by a tensor of shape {list(shape)} that varies along the key axis"
-    return f"scores are scaled by `{value}`, which is neither a number nor a tensor"
+    shown = describe(value) if isinstance(value, fx.Node) else repr(value)
+    return f"scores are scaled by {shown}, which is neither a number nor a tensor"
 
 
 def constant_scale(factors: Iterable[Factor]) -> float:
