@@ -154,7 +154,7 @@ def execution_path(device: torch.device | str, site: dict | None = None) -> tupl
     """Which implementation serves a site on ``device``, and why not tier 2 (a sentence, or
     None): ``("reference", None)`` off CUDA; on CUDA ``("gluon", None)`` when
     :func:`qattn_compile.kernels.tiers.tier2_refusal` finds nothing against ``site`` (a dict
-    of its keyword arguments: preset, options, shapes, dtype, masked, scale, causal), else
+    of its keyword arguments: preset, options, shapes, dtype, masked, scale, causal, softcap), else
     ``("triton", reason)`` (the reason only for presets that have a tier-2 kernel)."""
     if torch.device(device).type != "cuda":
         return "reference", None
@@ -165,7 +165,7 @@ def execution_path(device: torch.device | str, site: dict | None = None) -> tupl
 
     reason = tier2_refusal(site["preset"], site["options"], *site["shapes"], site["dtype"],
                            torch.device(device), masked=site["masked"], scale=site["scale"],
-                           causal=site["causal"])
+                           causal=site["causal"], softcap=site.get("softcap", 0.0))
     return ("gluon", None) if reason is None else ("triton", reason)
 
 

@@ -74,7 +74,8 @@ def _tier_inputs(site: AttentionSite, decision: Decision) -> dict:
     shapes = [tuple(_compat.size_hint(d) or 0 for d in shape) for shape in _op_shapes(site)]
     return {"preset": decision.preset, "options": decision.options,
             "shapes": shapes, "dtype": dtype, "masked": bool(spec.keep or spec.additive),
-            "scale": site.scale, "causal": bool(site.is_causal or causal_from_mask)}
+            "scale": site.scale, "causal": bool(site.is_causal or causal_from_mask),
+            "softcap": site.softcap}
 
 
 def _scaled(emit: Emitter, node: fx.Node, factors) -> fx.Node:
@@ -162,7 +163,7 @@ def _replace(gm: fx.GraphModule, site: AttentionSite, decision: Decision, report
     _, device = _site_dtype_device(site)
     is_causal = site.is_causal or causal_from_mask
     out = emit(ops.graph_op(report.execution), q, k, v, mask, is_causal, site.scale, preset,
-               decision.options.to_json())
+               decision.options.to_json(), site.softcap)
     report.causal_from_mask = causal_from_mask
     out.meta["qattn"] = {
         "fqn": site.fqn,

@@ -497,14 +497,6 @@ class TrainingDropout(nn.Module):
         return F.dropout(torch.softmax(q @ k.mT, -1), p=0.1, training=True) @ v
 
 
-class SoftCapped(nn.Module):
-    """Gemma-2-style logit soft-capping: an op softmax attention cannot absorb."""
-
-    def forward(self, q, k, v, keep, bias):
-        scores = torch.tanh(q @ k.mT / 30.0) * 30.0
-        return torch.softmax(scores, -1) @ v
-
-
 class MaskedFillFinite(nn.Module):
     def forward(self, q, k, v, keep, bias):
         return torch.softmax((q @ k.mT).masked_fill(~keep, -5.0), -1) @ v
@@ -553,8 +545,6 @@ REFUSALS = [
     (ReturnsWeights(), r"the probabilities from `softmax` \(test_patterns.py:\d+\) are also used by `detach` "
                        r"\(test_patterns.py:\d+\) outside the attention"),
     (TrainingDropout(), r"dropout p=0.1 in training mode"),
-    (SoftCapped(), r"logit soft-capping cap·tanh\(scores/cap\) \(Gemma 2, Grok\) at `tanh` \(test_patterns.py:\d+\): "
-                   r"not served by the kernels yet"),
     (MaskedFillFinite(), r"masked_fill value -5.0 does not mask"),
     (SoftmaxOverQueries(), r"softmax over dim -2"),
     (KeyAxisScale(), r"varies along the key axis"),

@@ -176,13 +176,27 @@ class SoftCapped(nn.Module):
         return F.softmax(scores, dim=-1) @ v
 
 
-def test_logit_soft_capping_is_reported():
-    expected, got, rec = run(SoftCapped(), *_qkv())
+class SoftCapAfterMask(nn.Module):
+    """A mask before the tanh: tanh(-inf) = -1 would not mask, so the chain is refused."""
+
+    def forward(self, q, k, v):
+        scores = (q @ k.transpose(2, 3)).masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+        return F.softmax(torch.tanh(scores / 50.0) * 50.0, dim=-1) @ v
+
+
+def test_logit_soft_capping_is_served_with_its_cap():
+    """Gemma 2's cap·tanh(τ·Q·Kᵀ/cap) reaches the op as its soft cap (50) and scale (τ): the
+    output matches the model's (flash is exact), and the scores are large enough to be
+    capped (without the cap the output would differ)."""
+    q, k, v = (t * 8 for t in _qkv())
+    expected, got, rec = run(SoftCapped(), q, k, v)
     (report,) = rec.reports
-    assert report.status == FALLBACK
-    assert re.search(r"logit soft-capping cap·tanh\(scores/cap\) .* at `tanh` \(test_reach.py:\d+\): "
-                     r"not served by the kernels yet", report.reason), report.reason
-    torch.testing.assert_close(got, expected)
+    assert report.status == REWRITTEN, report.reason
+    (op,) = [n for gm in rec.graphs for n in gm.graph.nodes if n.target is torch.ops.qattn.attention.default]
+    assert op.args[8] == pytest.approx(50.0) and op.args[5] == pytest.approx(D**-0.5)
+    torch.testing.assert_close(got, expected, **EXACT)
+    uncapped = F.softmax(q @ k.transpose(2, 3) * D**-0.5, dim=-1) @ v
+    assert not torch.allclose(uncapped, expected, **EXACT)
 
 
 class Mixed(nn.Module):
@@ -225,7 +239,7 @@ def test_view_that_mixes_query_rows_into_batch_is_reported_not_served():
 
 
 @pytest.mark.parametrize("module, inputs, reason", [
-    (SoftCapped(), _qkv, "soft-capping"),
+    (SoftCapAfterMask(), _qkv, "soft-capping `tanh` after another one or after a mask"),
     (Mixed(), _qkv, "unsupported op `view`"),
     (ReturnsWeights(), lambda: _rank3(*_qkv()), "the probabilities from `softmax` (test_reach.py:"),
 ], ids=["soft-capped", "view", "returns-weights"])

@@ -605,7 +605,7 @@ def _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier: str 
     if tier == "triton":
         return False
     reason = ("traced by torch.compile (tier 1 is inlined)" if lowered_decomposed(q) else
-              "soft-capping or ALiBi (tier 2 computes neither)" if extras else
+              "soft-capping or ALiBi (tier 2 applies neither)" if extras else
               tier2_refusal(preset, opts, q.shape, k.shape,
                             v.shape, q.dtype, q.device, masked=attn_mask is not None,
                             scale=scale, causal=bool(is_causal), forced=tier == "gluon"))

@@ -18,8 +18,8 @@ Anchored on every softmax, a match walks
 - forward from the softmax output through float casts, batch-regrouping views and
   eval-mode dropout to the ``P·V`` product, whose output the op replaces.
 
-Logit soft-capping (``cap·tanh(scores/cap)``: Gemma 2, Grok) is recognised and refused
-with that reason (the kernels do not apply it). Reasons name ops by what the model's code
+Logit soft-capping (``cap·tanh(scores/cap)`` before the masks: Gemma 2, Grok) is served: the
+site carries the cap and the kernels apply it. Reasons name ops by what the model's code
 calls and its source line, never by FX node names.
 
 On the Q·Kᵀ operands, constant scales on Q or K are folded into the softmax scale and the
@@ -77,6 +77,14 @@ _CLAMP_MIN = Op((torch.clamp, torch.clamp_min), ("clamp", "clamp_min"))
 _REGROUP = Op((torch.reshape, torch.flatten, torch.unflatten), ("reshape", "view", "flatten", "unflatten"))
 _LOOSE_STEPS = 8
 """How far (in ops) a softmax may be from a matmul and still count as a candidate."""
+
+
+class _SoftCap:
+    """The ``tanh`` of logit soft-capping ``cap·tanh(scores/cap)`` (Gemma 2, Grok): the
+    constant factors after it are the cap, those before it the softmax scale over the cap."""
+
+
+SOFT_CAP = _SoftCap()
 
 
 @dataclass
@@ -202,8 +210,7 @@ def _step_back(node: fx.Node) -> tuple[fx.Node, Factor | KeepTerm | fx.Node | No
     """
     unsupported = f"unsupported op {describe(node)} between Q·Kᵀ and softmax"
     if TANH(node):
-        return (f"logit soft-capping cap·tanh(scores/cap) (Gemma 2, Grok) at {describe(node)}: "
-                "not served by the kernels yet")
+        return node.args[0], SOFT_CAP
     if CAST(node) or _IDENTITY(node):
         return (node.args[0], None) if _is_float_copy(node) else unsupported
     if _regroups(node):
@@ -413,7 +420,7 @@ def _shape_refusal(shapes: dict[str, tuple | None]) -> str | None:
     return None
 
 
-def _mask_and_scale(steps: list, site_layout: tuple) -> tuple[MaskSpec, list[Factor], str | None]:
+def _mask_and_scale(steps: list, site_layout: tuple) -> tuple[MaskSpec, list[Factor], float, str | None]:
     """The mask terms and scale factors of a walk's steps (graph order, each with the batch
     dims of the scores it applies to): every additive term is multiplied by the factors
     applied after it, and a term applied while a view regrouped the batch dims is moved to
@@ -421,10 +428,25 @@ def _mask_and_scale(steps: list, site_layout: tuple) -> tuple[MaskSpec, list[Fac
     moved, a per-row run-time scale applied in another layout, and a scale applied after a
     keep term (``where``/``masked_fill``) that could undo its masking: not a positive
     constant, or one that lifts a finite fill above ``MASK_FILL_MAX`` (the op masks those
-    keys fully whatever follows)."""
+    keys fully whatever follows). The soft cap (0.0 without ``tanh``) is the product of the
+    factors after the ``tanh``, which must be positive constants with no mask before the
+    ``tanh`` (it would not mask through it): ``cap·tanh(τ·Q·Kᵀ/cap)`` with τ the product of
+    every factor."""
     spec, factors, refusal = MaskSpec(), [], None
     fills: list[float] = []  # each keep term's fill, times the factors after it
+    softcap = 0.0
     for step, layout in steps:
+        if step is SOFT_CAP:
+            if softcap or spec.keep or spec.additive:
+                refusal = refusal or ("soft-capping `tanh` after another one or after a mask (only "
+                                      "cap·tanh(scores/cap) before any mask is served)")
+            softcap = 1.0
+            continue
+        if softcap and isinstance(step, Factor):
+            if step.number is None or step.number <= 0:
+                refusal = refusal or "a soft cap that is not a positive constant"
+            else:
+                softcap *= step.number
         moved = None
         if not same_shape(layout, site_layout):
             node = step.node if isinstance(step, (KeepTerm, AdditiveTerm)) else step
@@ -455,7 +477,7 @@ def _mask_and_scale(steps: list, site_layout: tuple) -> tuple[MaskSpec, list[Fac
     if refusal is None and weakest > MASK_FILL_MAX:
         refusal = (f"scores scaled after a masking `where`/`masked_fill`: its fill becomes "
                    f"{weakest:g}, which no longer masks (only values <= {MASK_FILL_MAX:g} do)")
-    return spec, factors, refusal
+    return spec, factors, softcap, refusal
 
 
 def _swap_last_two(dims: tuple[int, ...] | None, rank: int) -> tuple[int, ...] | None:
@@ -522,7 +544,7 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
             q_stripped, k_stripped = [*q_stripped, q], [*k_stripped, k]
             q, k, site_layout = q_source, k_source, pv_layout
     chain = [*q_stripped, *k_stripped, qk.node, *walk.nodes, softmax, *prob_nodes, pv.node]
-    mask, factors, scale_refusal = _mask_and_scale(walk.steps, site_layout)
+    mask, factors, softcap, scale_refusal = _mask_and_scale(walk.steps, site_layout)
     factors = [*q_factors, *k_factors, *factors]
     runtime = runtime_factors(factors)
     fqn, cls = module_of(pv.node)
@@ -535,6 +557,7 @@ def chain_site(softmax: fx.Node) -> AttentionSite | None:
         mask=mask,
         scale=constant_scale(factors),
         scale_factors=runtime,
+        softcap=softcap,
         q_dims=qk.a_dims,
         k_dims=k_dims,
         v_dims=v_dims,

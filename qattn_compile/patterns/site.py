@@ -61,6 +61,8 @@ class AttentionSite:
     """The FQNs of the other modules whose calls run this same compiled code (a block
     compiled on its own is traced once and reused by dynamo for every block of its class):
     the policy must decide them as it decides ``fqn``."""
+    softcap: float = 0.0
+    """Logit soft-capping's cap (``cap·tanh(S/cap)`` on the scaled scores; 0 = none)."""
     child: tuple[str, str] | None = None
     """``(attribute, class name)`` of the submodule the attention belongs to when the node
     runs in its parent's code (a fused fast-path op of ``nn.TransformerEncoderLayer`` holds
