@@ -74,7 +74,7 @@ def cmd_demo(args) -> int:
     for line in be.unmatched_rules():
         print(f"warning: {line}")
     m = compare(out, reference)
-    what = "embedding" if bundle.kind == "encoder" else "logits"
+    what = bundle.output  # what the model's run compared: "logits", "embedding", "sample"...
     print(f"{what} vs uncompiled fp32 model: cos {m['cos']:.6f}  rel-L1 {m['rel_l1']:.5f}")
     if device.type == "cuda":
         eager_ms = _time_ms(lambda: bundle.run())
