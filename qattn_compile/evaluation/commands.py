@@ -317,6 +317,8 @@ def cmd_tune(args) -> int:
         ranking, source = load_ranking(args.ranking)
     else:
         ranking, source = list(DEFAULT_RANKING), DEFAULT_RANKING_SOURCE
+        if ev.device.type != "cuda":
+            source += f", not here: this run is on the {ev.device.type}, where `--ranking measure` has no kernels to time"
     print(f"budget: cos >= {args.budget} per rewritten site and end to end")
     print(f"speed ranking ({source}): {' > '.join(ranking)}")
     with step("tuning"):
