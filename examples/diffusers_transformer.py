@@ -106,6 +106,11 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
+    if args.latent is not None:
+        dims = args.latent.split(",")
+        if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims) or int(dims[1]) % 2 or int(dims[2]) % 2:
+            p.error(f"--latent is F,H,W: three positive integers, H and W even; got {args.latent!r}")
+        args.latent = tuple(int(d) for d in dims)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no CUDA device")
     return args
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers:
         sizes["layers"] = args.layers
     if args.latent:
-        sizes["latent"] = tuple(int(n) for n in args.latent.split(","))
+        sizes["latent"] = args.latent
     model, latent, text = build(sizes, device, dtype)
     f, h, w = sizes["latent"]
     print(f"WanTransformer3DModel (random weights): {sizes['layers']} blocks, {sizes['heads']} heads "

@@ -56,3 +56,6 @@ def test_diffusers_transformer_example_checks_its_arguments(capsys):
     with pytest.raises(SystemExit):
         example.main(["--steps", "0"])
     assert "--steps must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        example.main(["--latent", "1,3,4"])
+    assert "--latent is F,H,W" in capsys.readouterr().err
