@@ -31,6 +31,13 @@ from .rewrite import rewrite_attention
 
 log = logging.getLogger("qattn_compile.dynamo_backend")
 
+REFERENCE_NOTICE = (
+    "qattn: rewritten attention sites run on the CPU reference path (no CUDA device for the "
+    "Triton kernels): it is there to check numerics, and it is slower than the original "
+    "attention. To keep the original attention, compile without backend=\"qattn\" or with a "
+    "policy of `default: none`")
+"""Said once per backend, when the first graph with a site on the reference path compiles."""
+
 COMPILERS = ("inductor", "eager")
 OPTION_DOCS = {
     "policy": "policy file path, YAML text, dict or Policy (default: the bundled sage2_8b policy)",
@@ -132,6 +139,9 @@ class QattnBackend:
         self._graphs = 0
         self._partial = False  # a graph seen held a part of the model only
         self._warned: set[str] = set()  # the unmatched-rule lines already logged
+        self.announce_reference = True
+        """Say :data:`REFERENCE_NOTICE` (once); tools that run the reference on purpose to
+        measure its numerics (``qattn eval``) turn it off."""
 
     @property
     def policy(self) -> Policy:
@@ -155,6 +165,9 @@ class QattnBackend:
                                     autotune=self.options.autotune, names=names)
         self._graphs += 1
         self.site_reports.extend(reports)
+        if self.announce_reference and any(r.execution == "reference" for r in reports):
+            self.announce_reference = False
+            log.warning(REFERENCE_NOTICE)
         emit_site_report(reports, self.unmatched_rules(), self._graphs - 1)
         if self.options.report:
             write_report(self.options.report, self.site_reports, self.unmatched_rules())

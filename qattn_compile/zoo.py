@@ -39,13 +39,18 @@ def move_tensors(kwargs: dict, device, dtype: torch.dtype | None = None) -> dict
 
 @dataclass
 class ModelBundle:
-    """A model in eval mode, its example inputs and how to read its comparable output."""
+    """A model in eval mode, its example inputs and how to read its comparable output.
+
+    ``output`` names what :meth:`run` last returned (``""`` before the first run): see
+    :func:`compared_output`.
+    """
 
     name: str
     model: nn.Module
     kwargs: dict = field(default_factory=dict)
     args: tuple = ()
-    kind: str = "encoder"  # encoder: pooled embeddings are compared; decoder: logits
+    kind: str = "encoder"  # decoder: logits are compared; encoder: any other output
+    output: str = ""
 
     def to(self, device, dtype: torch.dtype | None = None) -> "ModelBundle":
         """Move the model and the example inputs to ``device`` (in place; returns self); with
@@ -57,20 +62,38 @@ class ModelBundle:
         return self
 
     def run(self, model: nn.Module | None = None) -> torch.Tensor:
-        """Forward ``model`` (default: the bundle's) on the inputs; return the compared output."""
+        """Forward ``model`` (default: the bundle's) on the inputs; return the compared output
+        in float32 (:func:`compared_output`; its name is left in ``self.output``)."""
         with torch.no_grad():
             out = (self.model if model is None else model)(*self.args, **self.kwargs)
-        if self.kind == "decoder":
-            return out.logits.float()
-        if not hasattr(out, "last_hidden_state"):
-            return out.float() if isinstance(out, torch.Tensor) else out[0].float()
-        hidden = out.last_hidden_state.float()
-        mask = self.kwargs.get("attention_mask")
-        if mask is None:
-            return hidden.mean(dim=1)
-        mask = mask.unsqueeze(-1).float()
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return torch.nn.functional.normalize(pooled, dim=-1)
+        self.output, tensor = compared_output(out, self.kind, self.kwargs.get("attention_mask"))
+        return tensor
+
+
+def compared_output(out, kind: str, attention_mask: torch.Tensor | None = None) -> tuple[str, torch.Tensor]:
+    """The name and the float32 tensor of a model output that the tools compare:
+
+    - ``kind == "decoder"``: ``"logits"``, ``out.logits``;
+    - an output with ``last_hidden_state`` and an ``attention_mask`` input: ``"embedding"``,
+      the hidden states mean-pooled over the unmasked tokens and L2-normalized ``[B, D]``;
+      without a mask: ``"mean last hidden state"``, the mean over tokens ``[B, D]``;
+    - a tensor: ``"output"``, itself;
+    - another model output (a diffusers ``Transformer2DModelOutput``, a classifier's): its
+      first field by name (``"sample"``, ``"logits"``); a tuple: ``"output[0]"``.
+    """
+    if kind == "decoder":
+        return "logits", out.logits.float()
+    if isinstance(out, torch.Tensor):
+        return "output", out.float()
+    if not hasattr(out, "last_hidden_state"):
+        keys = list(out.keys()) if hasattr(out, "keys") else []
+        return (str(keys[0]) if keys else "output[0]"), out[0].float()
+    hidden = out.last_hidden_state.float()
+    if attention_mask is None:
+        return "mean last hidden state", hidden.mean(dim=1)
+    mask = attention_mask.unsqueeze(-1).float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return "embedding", torch.nn.functional.normalize(pooled, dim=-1)
 
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 64, 4, 2, 2, 128, 256

@@ -227,6 +227,25 @@ def test_an_unmatched_rule_is_warned_about_once_not_once_per_graph(caplog):
     assert caplog.text.count("rules[0] (`no_such_site`) matched no site") == 1, caplog.text
 
 
+def test_the_cpu_reference_path_is_announced_once_per_backend(caplog):
+    """512 sentences took 17.7 s uncompiled and 99.6 s through qattn on a CPU, with no word
+    said: the reference path is said to be slow once per backend (not once per graph), and
+    only when a rewritten site runs on it."""
+    x = torch.randn(1, 2, 8, 16)
+    with caplog.at_level(logging.WARNING, logger="qattn_compile"):
+        be = qattn_compile.backend({"qattn": 1, "default": "flash"}, compiler="eager")
+        torch.compile(TwoGraphs(), backend=be)(x)
+    assert [r.execution for r in be.site_reports] == ["reference", "reference"]
+    assert caplog.text.count("CPU reference path") == 1, caplog.text
+    assert "slower than the original attention" in caplog.text and "default: none" in caplog.text
+    caplog.clear()
+    _compat.reset_dynamo()
+    with caplog.at_level(logging.WARNING, logger="qattn_compile"):
+        torch.compile(TwoGraphs(), backend=qattn_compile.backend({"qattn": 1, "default": "none"},
+                                                                  compiler="eager"))(x)
+    assert "CPU reference path" not in caplog.text
+
+
 def test_an_options_dict_changed_between_compiles_gets_a_new_backend():
     """One dict reused (and changed) for a second torch.compile: the second compile follows
     the new contents, not the backend built from the first."""

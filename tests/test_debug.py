@@ -151,6 +151,22 @@ def test_diff_keeps_left_alone_sites_and_shows_provenance(typo_diff):
     assert added.endswith(f"  # qattn: site model.layers.0.self_attn | {rule} | pattern sdpa | preset int_flash")
 
 
+def test_diff_hunks_name_their_site(llama):
+    """Each hunk header names its site: the one whose node it changes, else the next one
+    down (a hunk removing the causal mask the ops no longer read)."""
+    diff = graph_diff(llama.model, llama.kwargs)
+    headers = [line for line in diff.text.splitlines() if line.startswith("@@")]
+    at_site = [h.split(" @@ ", 1)[1] for h in headers if " @@ site " in h]
+    assert at_site == [f"site model.layers.{i}.self_attn (sdpa -> sage2_8b)" for i in (0, 1)]
+    others = [h.split(" @@ ", 1)[1] for h in headers if " @@ site " not in h]
+    assert others and set(others) <= {"before site model.layers.0.self_attn", "before site model.layers.1.self_attn"}
+    # the site's hunk holds its op's line
+    hunks = diff.text.split("\n@@")
+    for i in (0, 1):
+        (hunk,) = [h for h in hunks if f" @@ site model.layers.{i}.self_attn" in h.splitlines()[0]]
+        assert f"# qattn: site model.layers.{i}.self_attn |" in hunk
+
+
 def test_tiny_config_shrinks_every_sub_config():
     """A vision-language model type is tiny in its text and vision towers too (they kept
     their full sizes: `explain llava` ran out of memory), per-layer lists cut to the layers."""

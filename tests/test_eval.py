@@ -8,7 +8,9 @@ import argparse
 import json
 import math
 import struct
+import textwrap
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ from qattn_compile.evaluation import (
     tune,
 )
 from qattn_compile.evaluation import png
-from qattn_compile.evaluation.commands import add_subcommands
+from qattn_compile.evaluation.commands import add_subcommands, site_labels
 from qattn_compile.evaluation.tuning import DEFAULT_RANKING
 from qattn_compile.metrics import compare
 from qattn_compile.models import minilm_available
@@ -36,6 +38,7 @@ from qattn_compile.policy import load_policy
 from qattn_compile.presets import FmhaInt8Options, resolve_options
 from qattn_compile.reference import exact_attention, reference_attention
 from qattn_compile.scales import load_scales, options_for_site, save_scales, static_options
+from qattn_compile.zoo import compared_output
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +366,47 @@ def test_line_chart_draws_every_series():
     assert png.PALETTE[2] not in plotted  # no third series
 
 
+def test_site_labels_keep_the_distinguishing_tail():
+    llama = [f"model.language_model.layers.{i}.self_attn" for i in range(12)]
+    assert site_labels(llama)[11] == "layers.11.self_attn"
+    whisper = ["model.encoder.layers.0.self_attn", "model.decoder.layers.0.self_attn",
+               "model.decoder.layers.0.encoder_attn"]
+    assert site_labels(whisper) == ["encoder.layers.0.self_attn", "decoder.layers.0.self_attn",
+                                    "decoder.layers.0.encoder_attn"]
+    flux = ["transformer_blocks.0.attn", "single_transformer_blocks.0.attn", "blocks.0.attn1#1", "(top level)"]
+    assert site_labels(flux) == flux
+    long = site_labels(["m." + "x" * 60 + ".attn"], max_chars=20)[0]
+    assert long == ".." + "x" * 13 + ".attn" and len(long) == 20
+
+
+def _label_columns(canvas, n):
+    """Whether each of the ``n`` x ticks has label pixels under it. The axes: the row and the
+    column with the most axis colour; the ticks: the axis-coloured stubs just under the x axis."""
+    def most_axis(lines, pixel):
+        return max(lines, key=lambda i: sum(pixel(i, j) == png.AXIS for j in range(max(canvas.width, canvas.height))))
+
+    def get(x, y):
+        return canvas.get(x, y) if x < canvas.width and y < canvas.height else None
+
+    x_axis = most_axis(range(canvas.height), lambda y, x: get(x, y))
+    y_axis = most_axis(range(canvas.width), get)
+    ticks = [x for x in range(y_axis + 2, canvas.width) if canvas.get(x, x_axis + 3) == png.AXIS]
+    assert len(ticks) == n
+    return [any(canvas.get(x + dx, y) == png.AXIS for dx in range(-8, 8)
+                for y in range(x_axis + 9, x_axis + 40)) for x in ticks]
+
+
+def test_line_chart_writes_every_site_name_upright():
+    """30 sites get a label each (the chart widens and grows down for them); 1 site one."""
+    keys = [f"model.layers.{i}.self_attn" for i in range(30)]
+    series = {"fp8": [2e-2 + i * 1e-3 for i in range(30)]}
+    canvas = png.line_chart(series, site_labels(keys), width=400, height=520)
+    assert canvas.width >= 30 * png.X_LABEL_PITCH
+    assert canvas.height > 520 + png.text_width("layers.29.self_attn") - 70
+    assert all(_label_columns(canvas, 30))
+    assert all(_label_columns(png.line_chart(series, ["a"] * 300, width=400), 300)[::12])
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -373,7 +417,7 @@ def _cli(argv):
     return args.func(args)
 
 
-def test_cli_eval_and_calibrate(tmp_path, capsys):
+def test_cli_eval_and_calibrate(tmp_path, capsys, caplog):
     # the outputs' directory does not exist yet: it is created (not an error after the run)
     report, plot, scales = tmp_path / "out" / "e.json", tmp_path / "out" / "e.png", tmp_path / "s.pt"
     assert _cli(["calibrate", "tiny-bert", "-o", str(scales), "--no-compare"]) == 0
@@ -389,6 +433,16 @@ def test_cli_eval_and_calibrate(tmp_path, capsys):
     assert len(data["presets"]["fp8"]["sites"]) == 2
     assert data["static_vs_dynamic"]["calibration"] == str(scales)
     assert plot.read_bytes().startswith(b"\x89PNG")
+    assert "slower than the original attention" not in caplog.text  # eval measures the reference
+    _compat.reset_dynamo()
+
+
+def test_cli_tune_says_where_its_ranking_comes_from(tmp_path, capsys):
+    """Off the GPU the speed ranking is the fixed table measured on the H100: said in one line."""
+    assert _cli(["tune", "tiny-bert", "--device", "cpu", "--budget", "0.9", "-o", str(tmp_path / "t.yaml")]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("speed ranking")]
+    assert "measured on the H100" in line and "not here: this run is on the cpu" in line
+    assert line.endswith(" > ".join(DEFAULT_RANKING))
     _compat.reset_dynamo()
 
 
@@ -478,3 +532,36 @@ def test_calibrate_and_tune_leave_out_a_site_that_falls_back(tmp_path, monkeypat
     top = tune(Evaluator(load_inputs("fallback_model:top_level"), device="cpu", fp_capture=True), 0.99)
     preset = top.choices[0].preset
     assert preset != "none" and load_policy(top.policy_text).decide("").preset == preset
+
+
+def test_outputs_are_named_by_what_they_are(tmp_path, monkeypatch, capsys):
+    """A diffusion transformer's end-to-end line named its sample "embedding"."""
+    pytest.importorskip("diffusers")
+    (tmp_path / "tiny_flux_eval.py").write_text(textwrap.dedent("""
+        import diffusers
+        import torch
+
+        def build():
+            torch.manual_seed(0)
+            model = diffusers.FluxTransformer2DModel(
+                patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
+                axes_dims_rope=(2, 2, 4))
+            inputs = dict(hidden_states=torch.randn(2, 16, 4), encoder_hidden_states=torch.randn(2, 8, 16),
+                          pooled_projections=torch.randn(2, 16), timestep=torch.tensor([1.0, 0.5]),
+                          img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3))
+            return model, inputs
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _cli(["eval", "tiny_flux_eval:build", "--presets", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "compared end to end: the model's sample" in out
+    assert "end to end: sample vs uncompiled fp32: cos" in out and "embedding" not in out
+    _compat.reset_dynamo()
+    name, tensor = compared_output(torch.ones(2, 3), "encoder")
+    assert name == "output" and tensor.dtype == torch.float32
+    hidden = SimpleNamespace(last_hidden_state=torch.randn(2, 5, 4))
+    name, tensor = compared_output(hidden, "encoder")
+    assert name == "mean last hidden state" and torch.equal(tensor, hidden.last_hidden_state.mean(1))
+    assert compared_output(hidden, "encoder", torch.ones(2, 5))[0] == "embedding"
+    assert compared_output((torch.ones(1),), "encoder")[0] == "output[0]"

@@ -3,7 +3,7 @@
 - :mod:`.capture`: record every attention site's inputs and output while a model runs under
   a policy (a dynamo backend wrapping the qattn backend, compiler eager).
 - :mod:`.site_eval`: per-site error (vs exact fp64 attention on the same inputs) and the
-  end-to-end metric (embedding cosine / logits KL and top-1); :class:`Evaluator`.
+  end-to-end metric (output cosine / logits KL and top-1); :class:`Evaluator`.
 - :mod:`.calibrate`: static α for ``fmha_int8`` and TurboAttention head priorities (the
   scales file they go to: :mod:`qattn_compile.scales`).
 - :mod:`.tuning`: fastest preset per site within a cosine budget; commented policy YAML.

@@ -180,6 +180,7 @@ class CaptureBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         inner = QattnBackend(self.policy, compiler="eager")
+        inner.announce_reference = False  # the tools print where the sites run
         inner._graphs = self._graphs
         inner(gm, example_inputs)  # rewrites gm in place (eager: returns gm.forward)
         reports = inner.site_reports

@@ -94,8 +94,7 @@ def _evaluator(args, *, fp_capture: bool) -> Evaluator:
     with step(f"loading {args.model} and its inputs"):
         inputs = load_inputs(args.model, args.inputs, batch_size=args.batch_size,
                              max_samples=args.max_samples)
-    print(f"model: {args.model} ({inputs.kind}: "
-          f"{'pooled embeddings' if inputs.kind == 'encoder' else 'logits'} compared)")
+    print(f"model: {args.model} ({inputs.kind})")
     print(f"inputs: {inputs.description}")
     for note in inputs.notes:
         print(f"note: {note}")
@@ -103,6 +102,7 @@ def _evaluator(args, *, fp_capture: bool) -> Evaluator:
     with step(f"running the {what}"):
         ev = Evaluator(inputs, device=args.device, dtype=DTYPES.get(args.dtype or ""),
                        fp_capture=fp_capture)
+    print(f"compared end to end: the model's {ev.output}")
     path = "Triton kernels" if ev.device.type == "cuda" else "CPU reference path"
     print(f"device: {ev.device.type} ({path}), quantized runs in {str(ev.dtype).replace('torch.', '')}")
     if ev.dtype != torch.float32:
@@ -113,7 +113,7 @@ def _evaluator(args, *, fp_capture: bool) -> Evaluator:
 
 
 def _header(ev: Evaluator, args) -> dict:
-    return {"model": args.model, "kind": ev.kind, "inputs": ev.inputs.description,
+    return {"model": args.model, "kind": ev.kind, "output": ev.output, "inputs": ev.inputs.description,
             "input_source": ev.inputs.source, "device": str(ev.device),
             "dtype": str(ev.dtype).replace("torch.", "")}
 
@@ -131,15 +131,34 @@ def _plot_value(site, metric: str):
     return 1.0 - site.cos if metric == "1-cos" else getattr(site, metric)
 
 
+SITE_LABEL_CHARS = 40
+"""A site's label on the plot is at most this long (longer ones keep their end)."""
+
+
+def site_labels(keys: list[str], max_chars: int = SITE_LABEL_CHARS) -> list[str]:
+    """Short x-axis labels of site keys (module FQNs): the last ``d`` dotted parts of every
+    key, ``d`` (at least 3) the fewest that still tell the keys apart
+    (``model.layers.11.self_attn`` -> ``layers.11.self_attn``; an encoder-decoder's keep
+    ``encoder.`` / ``decoder.``); a label longer than ``max_chars`` keeps its last
+    ``max_chars - 2`` characters after ``..``."""
+    parts = [key.split(".") for key in keys]
+    deepest = max((len(p) for p in parts), default=0)
+    depth = next((d for d in range(3, deepest) if len({".".join(p[-d:]) for p in parts}) == len(set(keys))),
+                 deepest)
+    labels = [".".join(p[-depth:]) for p in parts]
+    return [label if len(label) <= max_chars else ".." + label[2 - max_chars:] for label in labels]
+
+
 def write_plot(path: str, runs: list[RunResult], title: str, metric: str = "rel_l1") -> None:
-    """PNG: the error of every run at every site (x = site index in execution order)."""
+    """PNG: the error of every run at every site (x = the sites in execution order, labelled
+    by :func:`site_labels`)."""
     keys = [s.key for s in runs[0].sites] if runs else []
     series = {}
     for run in runs:
         by_key = {s.key: s for s in run.sites}
         series[run.label] = [_plot_value(by_key[k], metric) if k in by_key else None for k in keys]
     chart = png.line_chart(
-        series, [str(i) for i in range(len(keys))], title=title,
+        series, site_labels(keys), title=title,
         y_label=f"{metric} vs exact (log)", x_label="attention site (execution order)",
         floor=PLOT_FLOOR,
     )
@@ -298,6 +317,8 @@ def cmd_tune(args) -> int:
         ranking, source = load_ranking(args.ranking)
     else:
         ranking, source = list(DEFAULT_RANKING), DEFAULT_RANKING_SOURCE
+        if ev.device.type != "cuda":
+            source += f", not here: this run is on the {ev.device.type}, where `--ranking measure` has no kernels to time"
     print(f"budget: cos >= {args.budget} per rewritten site and end to end")
     print(f"speed ranking ({source}): {' > '.join(ranking)}")
     with step("tuning"):
@@ -336,7 +357,7 @@ def add_subcommands(subparsers) -> None:
         description="Run the model in full precision and with the policy (compiler eager: CPU "
                     "reference path, or the Triton kernels on CUDA) and print, per attention site, "
                     "cos / rel-L1 / RMSE of its output against exact fp64 attention on the same "
-                    "inputs, and the end-to-end metric (embedding cosine; logits cosine, KL, top-1).")
+                    "inputs, and the end-to-end metric (the output's cosine; logits cosine, KL, top-1).")
     _common(ev)
     ev.add_argument("--policy", help="policy YAML (default: the bundled policy, unless --presets)")
     ev.add_argument("--presets", metavar="all|P1,P2",

@@ -150,6 +150,12 @@ def text_width(text: str, scale: int = 2) -> int:
     return len(text) * (GLYPH_W + 1) * scale
 
 
+X_LABEL_PITCH = 20
+"""Pixels per x tick the chart widens to (an upright label is 14 pixels wide at scale 2)."""
+MAX_WIDTH = 2400
+"""The chart widens for its x labels up to this many pixels."""
+
+
 def _decade_label(exp: int) -> str:
     return f"1E{exp}"
 
@@ -168,12 +174,19 @@ def line_chart(
     """A log-y line chart: one line per ``series`` entry (``None`` = no point) over ``x_labels``.
 
     Values ``<= floor`` are drawn at ``floor``. The y axis spans whole decades with a grid
-    line and a ``1E-n`` label per decade; x ticks are the ``x_labels`` (they are thinned when
-    they would overlap). The legend on the right lists the series in their colours.
+    line and a ``1E-n`` label per decade; x ticks are the ``x_labels``, written upwards under
+    the axis. The canvas grows past ``width`` × ``height`` to fit them: wider so that every
+    label has a column of its own (up to :data:`MAX_WIDTH`; past that they are thinned),
+    taller by the longest label. The legend on the right lists the series in their colours.
     """
     scale = 2
+    n = len(x_labels)
     legend_w = max([text_width(name, scale) for name in series] + [0]) + 50
-    left, right, top, bottom = 96, legend_w + 20, 50, 70
+    left, right, top = 96, legend_w + 20, 50
+    width = min(max(width, left + right + n * X_LABEL_PITCH), max(width, MAX_WIDTH))
+    label_h = max((text_width(lbl, scale) for lbl in x_labels), default=0)
+    bottom = label_h + 60
+    height += max(0, bottom - 70)
     canvas = Canvas(width, height)
     x0, x1, y0, y1 = left, width - right, top, height - bottom  # plot area (y0 top)
     values = [v for vals in series.values() for v in vals if v is not None]
@@ -184,8 +197,6 @@ def line_chart(
 
     def ypos(v: float) -> int:
         return round(y1 - (math.log10(max(v, floor)) - lo) / (hi - lo) * (y1 - y0))
-
-    n = len(x_labels)
 
     def xpos(i: int) -> int:
         return round(x0 + (i + 0.5) * (x1 - x0) / max(n, 1))
@@ -198,13 +209,12 @@ def line_chart(
         canvas.line(x0 - 5, y, x0, y, AXIS)
     canvas.line(x0, y0, x0, y1, AXIS, 2)
     canvas.line(x0, y1, x1, y1, AXIS, 2)
-    label_w = max((text_width(lbl, scale) for lbl in x_labels), default=0) + 8
-    step = max(1, math.ceil(label_w / max((x1 - x0) / max(n, 1), 1.0)))
+    step = max(1, math.ceil((GLYPH_H * scale + 4) / max((x1 - x0) / max(n, 1), 1.0)))
     for i, lbl in enumerate(x_labels):
         x = xpos(i)
         canvas.line(x, y1, x, y1 + 5, AXIS)
-        if i % step == 0:
-            canvas.text(x - text_width(lbl, scale) // 2, y1 + 10, lbl, AXIS, scale)
+        if i % step == 0:  # upwards, ending just under the axis
+            canvas.vtext(x - GLYPH_H * scale // 2, y1 + 8 + text_width(lbl, scale), lbl, AXIS, scale)
     for idx, (name, vals) in enumerate(series.items()):
         color = PALETTE[idx % len(PALETTE)]
         pts = [(xpos(i), ypos(v)) for i, v in enumerate(vals) if v is not None]

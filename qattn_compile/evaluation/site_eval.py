@@ -12,8 +12,10 @@ Definitions (every number the tools print):
   same comparison with the preset's op applied to the inputs captured in a full-precision
   run (nothing rewritten), cast to the run dtype.
 - **End to end**: the model output under the policy against the *uncompiled* model in
-  float32 on the same inputs. Encoders (pooled, normalized embeddings): ``cos`` is the mean
-  per-sample embedding cosine, ``cos_min`` the worst sample's. Decoders (logits): ``cos`` is
+  float32 on the same inputs (which output: :func:`qattn_compile.zoo.compared_output`; its
+  name is ``e2e["output"]``). Encoders and other models (a pooled, normalized embedding, a
+  diffusion transformer's sample, ...): ``cos`` is the mean per-sample cosine, ``cos_min``
+  the worst sample's. Decoders (logits): ``cos`` is
   the cosine of all logits, ``kl`` the mean KL(p_ref ‖ p_run) per position with softmax in
   float32, ``top1`` the fraction of positions whose argmax agrees (positions with
   ``attention_mask == 0`` left out).
@@ -121,8 +123,9 @@ def isolated_site_metrics(
     return compare(got, want)
 
 
-def end_to_end(kind: str, outputs, references, masks=None) -> dict[str, Any]:
-    """End-to-end metrics of a run's outputs vs the reference outputs (module docstring)."""
+def end_to_end(kind: str, outputs, references, masks=None, output: str = "output") -> dict[str, Any]:
+    """End-to-end metrics of a run's outputs vs the reference outputs (module docstring);
+    ``output`` names what a non-decoder's outputs are (a decoder's are ``"logits"``)."""
     masks = masks or [None] * len(outputs)
     if kind == "decoder":
         got, want = [], []
@@ -143,7 +146,7 @@ def end_to_end(kind: str, outputs, references, masks=None) -> dict[str, Any]:
     r = torch.cat([x.reshape(x.shape[0], -1) for x in references]).double()
     per = F.cosine_similarity(o, r, dim=-1)
     m = compare(o, r)
-    return {"output": "embedding", "cos": per.mean().item(), "cos_min": per.min().item(),
+    return {"output": output, "cos": per.mean().item(), "cos_min": per.min().item(),
             "rel_l1": m["rel_l1"], "rmse": m["rmse"], "samples": int(o.shape[0])}
 
 
@@ -242,6 +245,7 @@ class Evaluator:
         inputs.to(self.device)
         inputs.bundle.model.float()
         self.reference = inputs.run()
+        self.output = inputs.bundle.output  # what is compared: "logits", "embedding", "sample"...
         self.fp: CaptureResult | None = capture_run(inputs, None, offload=offload) if fp_capture else None
         if dtype != torch.float32:
             inputs.to(self.device, dtype)
@@ -262,7 +266,8 @@ class Evaluator:
     def run_policy(self, policy: Any, label: str = "policy") -> RunResult:
         """Run the model under ``policy`` (eager), with site and end-to-end metrics."""
         cap = capture_run(self.inputs, policy, offload=self.offload)
-        e2e = end_to_end(self.kind, cap.outputs, self.reference, self.inputs.attention_masks())
+        e2e = end_to_end(self.kind, cap.outputs, self.reference, self.inputs.attention_masks(),
+                         self.output)
         return run_result(label, cap, e2e, cap.policy.source)
 
     def run_preset(self, preset: str, options: dict | None = None, label: str | None = None) -> RunResult:
@@ -286,7 +291,7 @@ def format_e2e(e2e: dict) -> str:
     if e2e.get("output") == "logits":
         return (f"logits vs uncompiled fp32: cos {e2e['cos']:.6f}  KL {e2e['kl']:.3e}  "
                 f"top-1 agreement {e2e['top1'] * 100:.2f} %  ({e2e['positions']} positions)")
-    return (f"embedding vs uncompiled fp32: cos {e2e['cos']:.6f} (mean over {e2e['samples']} "
+    return (f"{e2e['output']} vs uncompiled fp32: cos {e2e['cos']:.6f} (mean over {e2e['samples']} "
             f"samples; worst {e2e['cos_min']:.6f})  rel-L1 {e2e['rel_l1']:.5f}")
 
 

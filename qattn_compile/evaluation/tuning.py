@@ -2,8 +2,8 @@
 
 **Budget** = a minimum cosine similarity, applied twice: every rewritten site's output vs
 exact fp64 attention on the same inputs (site error, :mod:`.site_eval`), and the end-to-end
-output vs the uncompiled fp32 model (encoders: mean per-sample embedding cosine; decoders:
-cosine of the logits). ``--budget 0.999`` means both must be >= 0.999.
+output vs the uncompiled fp32 model (decoders: cosine of the logits; other models: mean
+per-sample cosine of their compared output, e.g. a pooled embedding or a diffusion sample). ``--budget 0.999`` means both must be >= 0.999.
 
 **Speed ranking** (fastest first): :data:`DEFAULT_RANKING`, or a JSON file measured on the
 device (``--ranking``; :func:`load_ranking` reads it, :func:`measure_ranking` writes one on
@@ -358,8 +358,8 @@ def _yaml_str(s: str) -> str:
 def policy_yaml(choices, evaluator, run: RunResult, budget, ranking, ranking_source, met) -> str:
     """The commented policy text (see the module docstring)."""
     ev_inputs = evaluator.inputs
-    e2e_what = ("mean per-sample embedding cosine" if evaluator.kind == "encoder"
-                else "cosine of the logits")
+    e2e_what = ("cosine of the logits" if evaluator.kind == "decoder"
+                else f"mean per-sample cosine of the {evaluator.output}")
     worst = run.worst_site() if run else None
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     paragraphs = [
