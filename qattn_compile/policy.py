@@ -469,6 +469,7 @@ class Policy(BaseModel):
     def from_yaml(cls, text: str, source: str = TEXT_SOURCE) -> Policy:
         """Parse and validate YAML text; bad syntax is reported with line and column."""
         try:
+            _check_yaml_shape(text)
             data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
@@ -615,39 +616,49 @@ def load_policy(source: Policy | str | os.PathLike[str] | Mapping[str, Any]) -> 
 # --------------------------------------------------------------------------- helpers
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last), and
-    a document nested deeper than :data:`MAX_YAML_DEPTH` (PyYAML's composer recurses per
-    level, so deep nesting ends in a RecursionError) or whose aliases expand to more than
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's parser where PyYAML was built with it (several times faster on large policies)."""
+
+
+def _check_yaml_shape(text: str) -> None:
+    """Refuse, from the parser's events and before anything is composed, a document nested
+    deeper than :data:`MAX_YAML_DEPTH` (PyYAML's composer recurses per level, so deep
+    nesting ends in a RecursionError) or whose aliases expand to more than
     :data:`MAX_YAML_VALUES` values (an alias bomb: cheap to load, since aliases share one
     object, but anything that walks the value, a validator or an error message, walks every
-    copy). Both are refused while composing, before any value is built. An integer of more
-    digits than Python converts is a YAML error too, not int()'s ValueError."""
-
-    def __init__(self, stream) -> None:
-        super().__init__(stream)
-        self._depth = 0
-        self._values: dict[int, int] = {}  # id(node) -> values it holds, aliases expanded
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        if self._depth >= MAX_YAML_DEPTH:
-            raise yaml.composer.ComposerError(
-                None, None, f"nested more than {MAX_YAML_DEPTH} levels deep",
-                self.peek_event().start_mark)
-        self._depth += 1
-        try:
-            node = super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-        if id(node) not in self._values:  # an alias returns its anchor's node, counted once
-            self._values[id(node)] = count = 1 + sum(
-                self._values[id(child)] for child in _children(node))
-            if count > MAX_YAML_VALUES:
+    copy). Raises ``yaml.composer.ComposerError`` with the offending event's mark."""
+    counts = [0]  # values of each open collection so far (the outermost: the document)
+    anchors: dict[str, int] = {}  # values each anchored node stands for
+    opened: list[str | None] = []  # the anchor of each open collection
+    for event in yaml.parse(text, Loader=_SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            if len(opened) >= MAX_YAML_DEPTH:
                 raise yaml.composer.ComposerError(
-                    None, None, f"its aliases expand to more than {MAX_YAML_VALUES} values "
-                    "(an alias bomb?); write the values out, or alias less",
-                    node.start_mark)
-        return node
+                    None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", event.start_mark)
+            counts.append(0)
+            opened.append(event.anchor)
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            values, anchor = 1 + counts.pop(), opened.pop()
+        elif isinstance(event, yaml.ScalarEvent):
+            values, anchor = 1, event.anchor
+        elif isinstance(event, yaml.AliasEvent):
+            values, anchor = anchors.get(event.anchor, 1), None
+        else:
+            continue
+        if anchor is not None:
+            anchors[anchor] = values
+        counts[-1] += values
+        if counts[-1] > MAX_YAML_VALUES:
+            raise yaml.composer.ComposerError(
+                None, None, f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias "
+                "bomb?); write the values out, or alias less", event.start_mark)
+
+
+class _UniqueKeyLoader(_SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last). An
+    integer of more digits than Python converts is a YAML error too, not int()'s ValueError.
+    Nesting and alias expansion are checked before it runs (:func:`_check_yaml_shape`)."""
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         try:
