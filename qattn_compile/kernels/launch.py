@@ -547,7 +547,7 @@ def prepare_attention(
     _check_call(q, k, v, attn_mask, preset)
     slopes = _alibi_slopes(alibi_slopes, q)
     use_tier2 = _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier,
-                              extras=softcap > 0 or slopes is not None)
+                              softcap=softcap, alibi=slopes is not None)
     bsz, hq, lq, dim = q.shape
     hkv, lkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     tau = 1.0 / math.sqrt(dim) if scale is None else float(scale)
@@ -596,7 +596,7 @@ def _alibi_slopes(slopes: Tensor | None, q: Tensor) -> Tensor | None:
 
 
 def _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier: str | None, *,
-                  extras: bool = False) -> bool:
+                  softcap: float, alibi: bool) -> bool:
     """Whether tier 2 serves this call (:func:`.tiers.tier2_refusal`); ``tier`` forces a
     tier. Never while torch traces (compiled graphs reach tier 2 through the opaque op,
     :func:`qattn_compile.ops.graph_op`)."""
@@ -605,10 +605,9 @@ def _serves_tier2(preset, opts, q, k, v, attn_mask, is_causal, scale, tier: str 
     if tier == "triton":
         return False
     reason = ("traced by torch.compile (tier 1 is inlined)" if lowered_decomposed(q) else
-              "soft-capping or ALiBi (tier 2 applies neither)" if extras else
-              tier2_refusal(preset, opts, q.shape, k.shape,
-                            v.shape, q.dtype, q.device, masked=attn_mask is not None,
-                            scale=scale, causal=bool(is_causal), forced=tier == "gluon"))
+              tier2_refusal(preset, opts, q.shape, k.shape, v.shape, q.dtype, q.device,
+                            masked=attn_mask is not None, scale=scale, causal=bool(is_causal),
+                            softcap=softcap, alibi=alibi, forced=tier == "gluon"))
     if reason is None:
         return True
     if tier == "gluon":

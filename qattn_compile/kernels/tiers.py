@@ -104,14 +104,15 @@ def _format_refusal(preset: str, options) -> str | None:
 def tier2_refusal(preset: str, options, q_shape, k_shape, v_shape,
                   dtype: torch.dtype, device: torch.device, *, masked: bool,
                   scale: float | None, causal: bool, softcap: float = 0.0,
-                  forced: bool = False) -> str | None:
+                  alibi: bool = False, forced: bool = False) -> str | None:
     """Why tier 2 does not serve this call (a sentence), or None when it does.
 
     Shapes ``[B, H, L, D]`` (ints, or size hints of symbolic sizes); ``options``: the
     preset's (dict, :class:`~qattn_compile.presets.PresetOptions` or None); ``masked``: a
     tensor mask remains after causality is taken out;
     ``scale``: the softmax scale (None = ``1/sqrt(D)``); ``causal``: top-left causal;
-    ``softcap``: the soft cap (0 = none); ``forced``: the caller asks for tier 2, so only
+    ``softcap``: the soft cap (0 = none); ``alibi``: ALiBi slopes are given; ``forced``: the
+    caller asks for tier 2, so only
     what it cannot compute counts, not where :data:`TIER2_TABLE` says tier 1 is the faster
     choice.
     """
@@ -135,8 +136,8 @@ def tier2_refusal(preset: str, options, q_shape, k_shape, v_shape,
         return f"dtype {dtype} (tier 2 takes float16 or bfloat16)"
     if masked:
         return "a tensor mask (tier 2 takes causal or no mask)"
-    if softcap:
-        return "logit soft-capping (tier 2 does not apply it)"
+    if softcap or alibi:
+        return "logit soft-capping or ALiBi (tier 2 applies neither)"
     if scale is not None and not scale > 0:
         return f"softmax scale {scale} (tier 2 folds a positive scale into the exponent)"
     reason = _gluon_available()
