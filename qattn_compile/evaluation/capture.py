@@ -69,10 +69,12 @@ def _record(token: int, slot: int, q, k, v, attn_mask, out):
     return None
 
 
-def full_precision_attention(q, k, v, attn_mask, is_causal, scale, preset=None, options=None):
+def full_precision_attention(q, k, v, attn_mask, is_causal, scale, preset=None, options=None,
+                             softcap=0.0, alibi_slopes=None):
     """Stand-in for ``torch.ops.qattn.attention`` in a full-precision capture: exact
     attention in float64, returned in q's dtype (fully masked rows are 0, as the op's)."""
-    return exact_attention(q, k, v, attn_mask, is_causal, scale).to(q.dtype)
+    return exact_attention(q, k, v, attn_mask, is_causal, scale, softcap=softcap,
+                           alibi_slopes=alibi_slopes).to(q.dtype)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class SiteRecord:
     scale: float | None
     mask_kind: str
     order: int
+    softcap: float = 0.0  # the op's logit soft cap (0 = none)
     report: SiteReport | None = None
     calls: list[SiteCall] = field(default_factory=list)
 
@@ -170,8 +173,9 @@ class CaptureBackend:
             args = node.args if node is not None else (None,) * 6
             self.records[key] = SiteRecord(
                 key=key, fqn=report.fqn, module_class=report.module_class, pattern=report.pattern,
-                is_causal=bool(args[4]), scale=args[5], mask_kind=report.mask_kind,
-                order=len(self.records),
+                is_causal=bool(args[4]), scale=args[5],
+                softcap=float(args[8]) if len(args) > 8 and args[8] else 0.0,
+                mask_kind=report.mask_kind, order=len(self.records),
             )
         record = self.records[key]
         if record.report is None or (node is not None and record.report.status != REWRITTEN):
@@ -222,7 +226,7 @@ def _fill_static_scales(node: fx.Node, key: str, policy_source: str) -> None:
     options = options_from_json(preset, text)
     filled = options_for_site(preset, options, key, policy_source)
     if filled is not options:
-        node.args = (*node.args[:7], filled.to_json())
+        node.args = (*node.args[:7], filled.to_json(), *node.args[8:])
 
 
 def _qattn_cause(exc: BaseException) -> QattnError | None:

@@ -59,7 +59,8 @@ def _pairs(record: SiteRecord, outs: list[torch.Tensor]) -> tuple[torch.Tensor, 
     """Flattened (outputs, fp64 exact outputs) over every call of ``record``."""
     got, want = [], []
     for call, out in zip(record.calls, outs):
-        exact = exact_attention(call.q, call.k, call.v, call.attn_mask, record.is_causal, record.scale)
+        exact = exact_attention(call.q, call.k, call.v, call.attn_mask, record.is_causal,
+                                record.scale, softcap=record.softcap)
         rows = _visible_rows(call, record.is_causal)
         out = out.double()
         if rows is not None:
@@ -117,7 +118,8 @@ def isolated_site_metrics(
             if reason:
                 return {"unsupported": reason}
             outs.append(torch.ops.qattn.attention(
-                q, k, v, mask, record.is_causal, record.scale, preset, opts.to_json()
+                q, k, v, mask, record.is_causal, record.scale, preset, opts.to_json(),
+                record.softcap
             ))
     got, want = _pairs(record, outs)
     return compare(got, want)
