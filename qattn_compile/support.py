@@ -32,3 +32,12 @@ def shape_refusal(q_shape, k_shape, v_shape) -> str | None:
     if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
         return f"query heads {q_shape[1]} not a multiple of key/value heads {k_shape[1]}"
     return None
+
+
+def alibi_refusal(slopes_shape, batch: int, heads: int) -> str | None:
+    """Why ALiBi slopes of ``slopes_shape`` do not fit queries of ``batch`` × ``heads`` heads
+    (one slope per query head: ``[heads]`` or ``[batch, heads]``), or None."""
+    if tuple(slopes_shape) in ((heads,), (batch, heads)):
+        return None
+    return (f"alibi_slopes of shape {tuple(slopes_shape)}: expected [{heads}] or "
+            f"[{batch}, {heads}] (one slope per query head)")

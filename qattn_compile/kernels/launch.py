@@ -23,7 +23,7 @@ from ..blocks import (SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes, int_flash_gr
 from ..lowering.quantize import decomposed as lowered_decomposed
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
 from ..reference.sas import SAS_POLY
-from ..support import shape_refusal
+from ..support import alibi_refusal, shape_refusal
 from . import attention as ak
 from . import autotune
 from .heuristics import (
@@ -588,10 +588,11 @@ def _alibi_slopes(slopes: Tensor | None, q: Tensor) -> Tensor | None:
     if slopes is None:
         return None
     bsz, hq = q.shape[0], q.shape[1]
-    if tuple(slopes.shape) not in ((hq,), (bsz, hq)) or slopes.device != q.device:
-        raise ValueError(f"alibi_slopes of shape {tuple(slopes.shape)} on {slopes.device}: "
-                         f"expected [{hq}] or [{bsz}, {hq}] (one slope per query head) on "
-                         f"{q.device}")
+    reason = alibi_refusal(slopes.shape, bsz, hq)
+    if reason is None and slopes.device != q.device:
+        reason = f"alibi_slopes on {slopes.device}, q on {q.device}"
+    if reason is not None:
+        raise ValueError(reason)
     return slopes.to(torch.float32).expand(bsz, hq)
 
 

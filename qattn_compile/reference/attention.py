@@ -68,6 +68,7 @@ from torch import Tensor
 from ..blocks import (P_KEY_TILE, SMOOTH_Q_BLOCK, fp8_group_sizes, group_sizes,
                       int_flash_group_sizes, int_flash_v_group)
 from ..presets import PresetOptions, resolve_options, resolve_static_scales
+from ..support import alibi_refusal
 from . import quant, smooth
 from .sas import sas_exp
 
@@ -157,9 +158,9 @@ def with_alibi(bias: Tensor | None, alibi_slopes: Tensor | None,
     if alibi_slopes is None:
         return bias
     b, hq, lq, lkv = shape
-    if tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
-        raise ValueError(f"alibi_slopes of shape {tuple(alibi_slopes.shape)}: expected [{hq}] "
-                         f"or [{b}, {hq}]")
+    reason = alibi_refusal(alibi_slopes.shape, b, hq)
+    if reason is not None:
+        raise ValueError(reason)
     device = alibi_slopes.device
     rows = torch.arange(lq, device=device).view(lq, 1) + (lkv - lq)
     distance = (rows - torch.arange(lkv, device=device).view(1, lkv)).abs().to(dtype)
