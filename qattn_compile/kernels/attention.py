@@ -439,7 +439,7 @@ def _tile_step(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if V_SCALE == VS_TILE:
         # loaded first, used last: the load's latency passes under the tile's two products
-        # (H100, int_flash D=128: up to +3 % against a load next to its use; session 31)
+        # instead of sitting on the critical path next to its use (docs/performance.md)
         v_scale = tl.load(vs_base + (start_n // V_GROUP) * svsg)
     if USE_TMA:
         k, k2 = qk_operands(k_desc.load([start_n, 0]), QK_FMT)
@@ -487,8 +487,8 @@ def _tile_step(
         if IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(keep, s, float("-inf"))
-    # skips a NaN score; a NaN-keeping row max here cost fp8's D=64 causal kernel a program
-    # per SM (benchmarks/NOTES.md, session 30): a NaN arrives through the scales instead
+    # skips a NaN score (a NaN arrives through the scales instead): a NaN-keeping row max
+    # here makes ptxas allocate more registers, a program per SM fewer (docs/performance.md)
     m_tile = tl.max(s, axis=1)
     if ROW_SCALE:
         m_tile = m_tile * row_scale  # exact: rounding is monotonic
@@ -640,9 +640,8 @@ def attention_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     acc_unit = tl.cast(1.0, tl.float32)
     # Per-tile P weights kept in the accumulator's units rather than multiplied into each
-    # P·V. Not for UINT8 P: Triton 3.6's ptxas then allocates fmha_int8's D=64 causal loop
-    # 181 registers instead of 137 (two programs per SM instead of three: −10 %; it fits in
-    # 147 under a register cap, so this is the allocator's choice; benchmarks/NOTES.md).
+    # P·V. Not for UINT8 P: there ptxas's register allocation costs fmha_int8's D=64 causal
+    # loop a program per SM (the allocator's choice, not the loop's need; docs/performance.md).
     ACC_TILE_UNITS: tl.constexpr = P_TILE_MAX and P_FMT == P_INT8
     if ACC_TILE_UNITS:
         acc_shift = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -656,11 +655,9 @@ def attention_kernel(
         # causal masking, then the rest (BOUNDED). The second is at most one key tile (the
         # ragged end, or the causal diagonal) unless a causal query tile spans several key
         # tiles (BLOCK_N not a multiple of BLOCK_M); that one tile runs as straight-line code.
-        # As a loop, ptxas gave the causal kernels 30-60 more registers (D=64: fp8 156
-        # against 126, int_flash 230 against 168, one program per SM fewer; H100, 16K, D=64
-        # causal kernels alone: fp8 +5 %, int_flash +12 %, sage2_8b +2 % this way;
-        # benchmarks/RESULTS.md, session 26). UINT8 P keeps the loop (fmha_int8: 128
-        # registers as a loop, 154 straight; -1.5 %).
+        # As a loop, ptxas gives the causal kernels more registers (one program per SM
+        # fewer at D=64); UINT8 P keeps the loop, where the straight form is the one that
+        # needs more (docs/performance.md).
         hi = Lkv
         full_hi = (Lkv // BLOCK_N) * BLOCK_N
         if IS_CAUSAL:

@@ -80,19 +80,15 @@ _PRESETS = ("flash", "int_flash", "fmha_int8", "sage2_8b", "sage2_4b", "turbo", 
 _DIMS = (32, 64, 128, 256)
 
 # Defaults per operand width (bytes of the dot operands) × padded head dim × arch.
-# sm90, from benchmarks/sweep.py on the H100 (triton 3.6, B=4, H=32, N=8192, kernel alone;
-# benchmarks/RESULTS.md, session 9). One warpgroup per program (4 warps, 64 query rows) wins
-# at D=64 and D=128: the ~210-245 registers of a 64-row program let two programs share an SM
-# and run unsynchronised, so one's softmax overlaps the other's tensor-core work. An 8-warp
-# 128-row program keeps its two warpgroups in lockstep at the barriers that guard its shared
-# buffers, and Nsight showed each warp waiting on its own MMAs (D=128 non-causal / causal,
-# TOPS: sage2_8b 422 / 403 with 128×128 tiles and 8 warps, 610 / 579 with 64×128 and 4 warps;
-# int_flash 513 / 473 → 630 / 576; fp8 568 / 526 → 738 / 687). 64×64 tiles (three or four
-# programs per SM) win for flash at D=128 and for turbo at D=64; sage2_4b keeps 128×64
-# pointer loads at D=64. 256-wide heads need 8 warps on a 64-row tile. The 128-row
-# program's lockstep is our reading of that profile; the sweep is what chose the tiles.
-# Warp specialization is not used: Triton 3.6 miscompiles our loop with it, and on the
-# simplest 8-bit loop it is slower or wrong (benchmarks/loop_ceiling.py, NOTES.md session 15).
+# sm90: the tiles a kernel-alone sweep chose (benchmarks/probes/sweep.py; docs/performance.md).
+# One warpgroup per program (4 warps, 64 query rows) wins at D=64 and D=128: a 64-row
+# program's registers let two programs share an SM and run unsynchronised, so one's softmax
+# overlaps the other's tensor-core work, where an 8-warp 128-row program keeps its two
+# warpgroups in lockstep at the barriers that guard its shared buffers (our reading of an
+# Nsight profile; the sweep is what chose the tiles). 64×64 tiles (three or four programs per
+# SM) win for flash at D=128 and for turbo at D=64; sage2_4b keeps 128×64 pointer loads at
+# D=64. 256-wide heads need 8 warps on a 64-row tile. Warp specialization is not used:
+# Triton 3.6 miscompiles our loop with it (benchmarks/probes/loop_ceiling.py re-checks it).
 _SM90_ONE_WARPGROUP = AttentionConfig(64, 128, 4, 3, tma=True)
 _SM90_ONE_WARPGROUP_SQUARE = AttentionConfig(64, 64, 4, 3, tma=True)
 _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
@@ -123,11 +119,10 @@ _FAMILY_DEFAULTS: dict[tuple[str, int, str], AttentionConfig] = {
     ("32bit", 256, "sm80"): AttentionConfig(32, 32, 4, 1),
 }
 
-# Measured per-preset winners that differ from their family default (D=64 non-causal /
-# causal TOPS: turbo 217 / 206 with 64×64, its per-block V forbids 128-key tiles; sage2_4b
-# 296 / 288 with 128×64 pointer loads against 248 / 236). D=32 (not measured) follows D=64.
-# sage2_8b took 64×64 at D=64 until its 128-key tiles applied their two K scales per half
-# tile instead of per key (session 10, causal: 473 with 64×128 against 422 with 64×64).
+# Measured per-preset winners that differ from their family default (docs/performance.md):
+# turbo takes 64×64 because its V blocks of 64 tokens forbid 128-key tiles; sage2_4b is
+# faster with 128×64 pointer loads at D=64. D=32 (not measured) follows D=64. sage2_8b keeps
+# the family's 64×128 at D=64 since its K scales apply per half tile instead of per key.
 _MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
     **{(preset, dim, "sm90"): cfg
        for preset, cfg in (("turbo", _SM90_ONE_WARPGROUP_SQUARE),
@@ -137,24 +132,19 @@ _MEASURED: dict[tuple[str, int, str], AttentionConfig] = {
 }
 
 # Quantized Q·Kᵀ with a native (16-bit) P·V, e.g. sage2 with ``pv: fp16``, where it differs
-# from the preset's entry: sage2_8b at D=128, 526 / 499 TOPS (non-causal / causal) with 128×64
-# TMA tiles and 4 warps against 474 / 433 with the preset's 64×128 (sweep, session 9). At
-# D=64 the preset's 64×128 wins (413 / 385 against 390 / 380 with 64×64; session 10).
+# from the preset's entry: sage2_8b at D=128 is faster with 128×64 TMA tiles and 4 warps than
+# with the preset's 64×128; at D=64 the preset's tile wins (docs/performance.md).
 _NATIVE_PV: dict[tuple[str, int, str], AttentionConfig] = {
     ("sage2_8b", 128, "sm90"): AttentionConfig(128, 64, 4, 3, tma=True),
 }
 
 
 # Short sequences, where the table's long-sequence tile loses (keys at most the first value:
-# the second config). From benchmarks/sweep.py --graph (CUDA-graph replays, cold L2, kernel
-# alone, causal, B=4, H=32; RESULTS.md, session 11), TOPS with this tile against the table's
-# 64×128: sage2_8b D=128 348 / 315 at 1K, 483 / 465 at 2K, 591 / 580 at 4K (8K: 636 / 651);
-# fp8 D=128 387 / 340, 551 / 513, 674 / 674 at 4K; sage2_8b D=64 with 64×64 pointer loads
-# 241 / 225 at 1K (non-causal 359 / 341), 325 / 333 at 2K. int_flash keeps its tile
-# (64×64: 269 / 299 at 1K, D=128). Not applied to a native P·V (no measurement). fp8 D=64
-# at 1K since the causal grid interleaves heads (session 21, H200, B=4, 32/8 heads, alone):
-# 52.0 µs with 64×64 pointer loads against 57.5 with the table's 64×128 (causal), but 81.4
-# against 78.8 without a mask (causal prefill is the common short call).
+# the second config), measured as CUDA-graph replays of the kernel alone
+# (benchmarks/probes/sweep.py --graph; docs/performance.md). int_flash keeps its tile; a
+# native P·V was not measured, so it keeps the table's. fp8 at D=64 and 1K takes 64×64
+# pointer loads, faster for causal calls (the common short call) though slightly slower
+# without a mask.
 _SHORT_KEYS: dict[tuple[str, int, str], tuple[int, AttentionConfig]] = {
     ("sage2_8b", 128, "sm90"): (4096, _SM90_ONE_WARPGROUP_SQUARE),
     ("fp8", 128, "sm90"): (2048, _SM90_ONE_WARPGROUP_SQUARE),
@@ -164,12 +154,10 @@ _SHORT_KEYS: dict[tuple[str, int, str], tuple[int, AttentionConfig]] = {
 
 
 # Calls without any mask (no causal flag, no tensor mask), where another tile wins (long
-# sequences; short ones keep :data:`_SHORT_KEYS`). fp8 at D=128 with two pipeline stages:
-# 164-168 registers as the code has changed (165 in session 28) and 74.8 KB of shared
-# memory, so three programs share an SM instead of two; kernel alone, TOPS with three / two
-# stages, N=8K 795 / 824, N=16K 818 / 841 without a mask, but 734 / 669 and 785 / 619 with a
-# causal one (benchmarks/sweep.py; RESULTS.md, session 12, run 4); N=4K 793-799 / 860-867
-# (session 14, run 6). Tensor masks were not measured, so they keep the table's tile.
+# sequences; short ones keep :data:`_SHORT_KEYS`). fp8 at D=128 with two pipeline stages fits
+# three programs per SM instead of two (registers and shared memory): faster without a mask,
+# slower with a causal one (docs/performance.md). Tensor masks were not measured, so they
+# keep the table's tile.
 _UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
     ("fp8", 128, "sm90"): AttentionConfig(64, 128, 4, 2, tma=True),
 }
@@ -178,26 +166,14 @@ _UNMASKED: dict[tuple[str, int, str], AttentionConfig] = {
 # Register-capped tiles, for launches that can pass ``maxnreg`` (eager calls on CUDA
 # tensors; ``register_cap``), by (preset, padded head dim, arch, mask kind: ``none`` without
 # any mask, ``causal`` for the causal flag without a tensor mask), for at least
-# :data:`_CAPPED_MIN_KEYS` keys. At D=128, two pipeline stages (74.8 KB of shared memory) and
-# 168 registers let three programs share an SM where the uncapped tiles fit two (ptxas takes
-# 190-248 registers for them; at 168 it spills nothing in sage2_8b's kernel without a mask
-# and fp8's causal one, 9 instructions in fmha_int8's, 34 in int_flash's, 45 in sage2_8b's
-# causal one). At D=64, 128 registers let four programs share an SM instead of three (no
-# spills in the loop), and int_flash's causal tile (230 registers) fits three at 168. Kernel alone, H100,
-# TOPS uncapped (the table's tile) → capped, 16K / 4K (benchmarks/RESULTS.md, session 25):
-# D=128 sage2_8b 727 → 776 / 686 → 755, causal 694 → 708 / 587 → 635; fmha_int8 617 → 717 /
-# 569 → 664, causal 600 → 679 / 501 → 578; fp8 causal 783 → 814 / 670 → 739; int_flash 701 →
-# 731 (causal 681 → 697: within the rounds' spread, not capped). D=64: fp8 causal 572 → 595 /
-# 483 → 520, sage2_8b 509 → 539 / 476 → 506, int_flash causal 421 → 442 (16K). fp8 without
-# a mask already compiles to at most 168 registers with two stages at D=128 (:data:`_UNMASKED`)
-# and to 120 at D=64. Since the causal edge tile is straight-line code (session 26), fp8's and
-# int_flash's D=64 causal kernels compile to their capped counts uncapped (126, 168; the caps
-# stay as the occupancy they were measured at), and sage2_8b's D=64 causal one spills 6
-# instructions at 128 (it spilled in the loop before, 494 → 484): 502 → 521 / 430 → 468
-# (16K / 4K, session 26). int_flash with K per 128 tokens (its default since session 27)
-# spills nothing at 168 in its D=128 causal kernel (per-token K: 77 instructions): 740 → 783
-# at 16K (per-token K +2 %, 674 → 685), so that entry joined; its D=64 causal kernel would
-# gain 3 % more at 128 (484 → 499) where per-token K spills 155 instructions: kept at 168.
+# :data:`_CAPPED_MIN_KEYS` keys. At D=128, two pipeline stages and 168 registers let three
+# 4-warp programs share an SM where the uncapped tiles fit two; at D=64, 128 registers let
+# four share it instead of three. A (preset, mask kind) has an entry only where the capped
+# kernel measured faster, kernel alone, with little or no spilling under the cap
+# (docs/performance.md). fp8 without a mask already fits three per SM uncapped
+# (:data:`_UNMASKED`). Kernels that now compile within their cap uncapped keep it: the cap
+# states the occupancy the entry was measured at. int_flash's D=64 causal tile stays at 168:
+# at 128 it spills with per-token K.
 _THREE_PER_SM = AttentionConfig(64, 128, 4, 2, tma=True, maxnreg=168)
 _FOUR_PER_SM = AttentionConfig(64, 128, 4, 3, tma=True, maxnreg=128)
 _THREE_PER_SM_D64 = AttentionConfig(64, 128, 4, 3, tma=True, maxnreg=168)
@@ -312,8 +288,7 @@ def _table_config(preset: str, head_dim: int, arch: str, dtype: torch.dtype,
     if native_pv and (preset, dim, arch) in _NATIVE_PV:
         return _NATIVE_PV[(preset, dim, arch)]
     # a capped tile first: sage2_8b's D=128 short tile reaches 4096 keys, where the capped
-    # one wins (kernel alone, 4K: 716-751 / 634-658 TOPS against 632-649 / 584-603 without
-    # a mask / causal; RESULTS.md, session 28)
+    # one is faster (docs/performance.md)
     mask_kind = "none" if unmasked else "causal" if causal_only else "tensor"
     capped = _REGISTER_CAPPED.get((preset, dim, arch, mask_kind))
     if (capped is not None and register_cap and not native_pv
@@ -404,20 +379,15 @@ def grid_head_group(is_causal: bool, hq_per_kv: int, n_heads: int | None,
     across the group's heads (grid ``(group, n_m, cdiv(B·Hq, group))``).
 
     A causal row tile's work grows with its index, and programs start in grid order. One head
-    at a time (longest query tile first within each head, the order before session 21) leaves
+    at a time (longest query tile first within each head) leaves
     the last heads' longest tiles starting near the end of the launch, a tail on a few SMs;
     interleaving heads starts every head's longest tile before any of its shorter ones
     (longest-processing-time-first). The price is L2 reuse: the programs in flight read the
     K/V of every kv head of their group, so a group holds as many kv heads as fit
     :data:`GRID_GROUP_KV_BYTES` (at least one, with all its query heads; all ``n_heads`` when
     everything fits). Non-causal calls (equal work per program, no tail to shorten) take one
-    head at a time. Measured on an H200, kernel alone, the table's tiles (NOTES.md session
-    21): against one head at a time, these groups are 3-11 % faster at B=4 × 1K (32/8 heads,
-    D=64, one group), 2-7 % at B=1 × 16K (one group), 0-5 % at B=1 × 32K (two groups), 0-4 %
-    at B=4 × 16K, 32/32 heads, D=64 (16 groups; flash 0.4 % slower), and between 1 % slower
-    and 2.4 % faster at D=128 (32 groups); one group of all heads is as fast where it fits
-    but 0-6 % slower at B=1 × 32K and 10-66 % at B=4 × 16K. Non-causal calls, all heads in
-    one group: ±1 % at 1K and 4K, 4-16 % slower at B=4 × 16K.
+    head at a time. Against one head at a time these groups measured faster or level, and
+    one group of all heads slower where the K/V outgrow the L2 budget (docs/performance.md).
 
     ``n_heads``: ``B·Hq``; ``kv_bytes_per_head``: K and V bytes of one (batch, kv head) in
     the kernel's formats. Either may be None (a size without a hint): one kv head's heads.
@@ -431,7 +401,8 @@ def grid_head_group(is_causal: bool, hq_per_kv: int, n_heads: int | None,
 
 
 # Autotuning candidates per arch and padded head dim (besides the table entry, tried first).
-# sm90: the tiles benchmarks/sweep.py found competitive on the H100 for some preset or dim.
+# sm90: the tiles the sweep (benchmarks/probes/sweep.py) found competitive for some preset
+# or dim.
 _SM90_SMALL_CANDIDATES = (
     _SM90_ONE_WARPGROUP,
     _SM90_ONE_WARPGROUP_SQUARE,
@@ -519,10 +490,9 @@ def quant_config(head_dim: int, device: torch.device, min_tokens: int = 1) -> Qu
 def kv_quant_config(head_dim: int, device: torch.device, group: int) -> QuantConfig:
     """Launch parameters of fp8's K+V launch (:func:`~.quantize.quantize_fp8_kv`) over token
     groups of ``group``: as :func:`quant_config`, with twice the warps per tile (4K elements
-    per 4 warps). On the H100 (benchmarks/RESULTS.md, session 25) its 128-token tiles at 16K
-    took 472 µs with 4 warps against 278 with 8 at D=64, 675 with 8 against 602 with 16 at
-    D=128 (14.5 → 11.4 µs at B=4 × 1K, D=64); the same rule for the other quantizer kernels
-    lost up to 66 % (the one-pass smoothed INT8 quantizer, the statistics pass, ΔS)."""
+    per 4 warps): its 128-token tiles run faster with more warps, while the same rule for the
+    other quantizer kernels was slower (the one-pass smoothed INT8 quantizer, the statistics
+    pass, ΔS; docs/performance.md)."""
     return _quant_config(head_dim, device, group, elements_per_4_warps=4096)
 
 

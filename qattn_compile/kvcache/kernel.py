@@ -63,9 +63,9 @@ scattered back to channel order), so each tile orders them such that the registe
 unpacking produces *is* the mma operand layout: Triton then reads the packed words from shared
 memory straight into it, with no fp16 round trip through shared memory (:func:`_key_tile`
 for Q·Kᵀ, whose reduction axis is the channels; :func:`_value_tile` for P·V, whose reduction
-axis is the tokens, so a thread reads one word of four consecutive tokens). Before (unpacked
-tiles stored to and reloaded from shared memory): 52 KB of shared memory and 255 registers
-per 2-warp program, 4 programs per SM.
+axis is the tokens, so a thread reads one word of four consecutive tokens). Unpacked tiles
+stored to and reloaded from shared memory instead cost each program more shared memory and
+registers, so fewer programs share an SM (docs/performance.md).
 
 Token rows are clamped per block (a ragged last tile re-reads the last block), so Triton
 sees 64 consecutive rows, and the packed row stride is a compile-time constant.
@@ -154,7 +154,7 @@ class DecodeConfig:
     ``Lq = 1``), and the splits of :func:`default_splits` for them (two waves), for every
     format. More warps or blocks per iteration, capped registers (for more programs per SM)
     and more stages (the value codes then cross shared memory in 4-byte async copies, and the
-    kernel holds 255 registers) were slower (docs/performance.md).
+    kernel uses every register a thread may hold) were slower (docs/performance.md).
     """
 
     splits: int | None = None
@@ -798,7 +798,7 @@ def default_prefetch(int4_heads: int, int2_heads: int, head_dim: int, tiles_per_
       D=128, INT4 at D=64) the carried words take another layout, which Triton converts with
       more shuffles per tile (slower); at D=256 they add spills.
     - ``none`` for the 2/4 mix: its kernel holds both loops, and with either prefetch it got
-      slower (with ``keys`` its INT4 loop needs 255 registers and spills).
+      slower (with ``keys`` its INT4 loop takes every register a thread may hold and spills).
     """
     if int4_heads and int2_heads:
         return "none"
