@@ -42,8 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _compat
 from ..policy import DEFAULT_POLICY_PATH, Policy, load_policy
-from ..report import SiteReport
-from .sites import EagerSites, SdpaCall, claimed, is_claimed, warn_compiled
+from .sites import EagerSites, SdpaCall, SitesView, claimed, is_claimed, warn_compiled
 
 ENTRY = "policy_scope"
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -82,7 +81,7 @@ class _SdpaMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class policy_scope:  # noqa: N801 - used like a function: `with policy_scope(model, policy):`
+class policy_scope(SitesView):  # noqa: N801 - used like a function: `with policy_scope(model, policy):`
     """Apply ``policy`` to the SDPA calls of ``model`` while the ``with`` block runs.
 
     Args:
@@ -107,17 +106,6 @@ class policy_scope:  # noqa: N801 - used like a function: `with policy_scope(mod
         self._handles: list = []
         self._mode: _SdpaMode | None = None
         self._warned: set[str] = set()
-
-    @property
-    def policy(self) -> Policy:
-        return self.sites.policy
-
-    @property
-    def site_reports(self) -> list[SiteReport]:
-        return self.sites.site_reports
-
-    def unmatched_rules(self) -> list[str]:
-        return self.sites.unmatched_rules()
 
     # ----------------------------------------------------------------- entering, leaving
 

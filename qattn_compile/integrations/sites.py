@@ -135,6 +135,24 @@ def warn_compiled(_context) -> None:
             "own policy, any other backend leaves it exact")
 
 
+class SitesView:
+    """What an entry point shows of its :class:`EagerSites` (``self.sites``): the policy, the
+    site reports and the rules that matched nothing."""
+
+    sites: EagerSites
+
+    @property
+    def policy(self) -> Policy:
+        return self.sites.policy
+
+    @property
+    def site_reports(self) -> list[SiteReport]:
+        return self.sites.site_reports
+
+    def unmatched_rules(self) -> list[str]:
+        return self.sites.unmatched_rules()
+
+
 class EagerSites:
     """A policy applied to attention calls made outside ``torch.compile``.
 

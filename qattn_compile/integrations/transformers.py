@@ -46,8 +46,7 @@ from torch import Tensor
 from .. import _compat
 from ..errors import PolicyNotAppliedError
 from ..policy import DEFAULT_POLICY_PATH, Policy, load_policy
-from ..report import SiteReport
-from .sites import EagerSites, SdpaCall, claimed, warn_compiled
+from .sites import EagerSites, SdpaCall, SitesView, claimed, warn_compiled
 
 ATTN_IMPLEMENTATION = "qattn"
 """The name to give ``attn_implementation`` / ``set_attn_implementation``."""
@@ -57,7 +56,7 @@ _BINDINGS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, EagerSites]] = 
 """Every module of a model given to :func:`apply_policy`: its FQN there and the policy."""
 
 
-class AppliedPolicy:
+class AppliedPolicy(SitesView):
     """What :func:`apply_policy` returns: the policy's reports for one model.
 
     ``site_reports``: one :class:`~qattn_compile.report.SiteReport` per attention site and
@@ -67,17 +66,6 @@ class AppliedPolicy:
 
     def __init__(self, root: torch.nn.Module, sites: EagerSites, previous: list[tuple[Any, str]]):
         self.model, self.sites, self._previous = root, sites, previous
-
-    @property
-    def policy(self) -> Policy:
-        return self.sites.policy
-
-    @property
-    def site_reports(self) -> list[SiteReport]:
-        return self.sites.site_reports
-
-    def unmatched_rules(self) -> list[str]:
-        return self.sites.unmatched_rules()
 
     def remove(self) -> None:
         for module in self.model.modules():
