@@ -165,7 +165,7 @@ def execution_path(device: torch.device | str, site: dict | None = None) -> tupl
 
     reason = tier2_refusal(site["preset"], site["options"], *site["shapes"], site["dtype"],
                            torch.device(device), masked=site["masked"], scale=site["scale"],
-                           causal=site["causal"], softcap=site.get("softcap", 0.0))
+                           causal=site["causal"], softcap=site["softcap"])
     return ("gluon", None) if reason is None else ("triton", reason)
 
 

@@ -18,6 +18,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches cleared before and after a test that compiles (each graph reaches the
+    test's backend afresh). Modules use it with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    from qattn_compile import _compat
+
+    _compat.reset_dynamo()
+    yield
+    _compat.reset_dynamo()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -22,11 +22,7 @@ FLASH = {"qattn": 1, "default": "flash"}
 EXACT = dict(rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    _compat.reset_dynamo()
-    yield
-    _compat.reset_dynamo()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Caller(nn.Module):

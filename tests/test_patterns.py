@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from qattn_compile import _compat, ops
+from qattn_compile import _compat
 from qattn_compile.models import tiny_llama
 from qattn_compile.patterns import einsum, find_attention_sites
 from qattn_compile.patterns.nodes import mutates, tensor_value
@@ -31,11 +31,7 @@ FLASH = {"qattn": 1, "default": "flash"}
 EXACT = dict(rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    _compat.reset_dynamo()
-    yield
-    _compat.reset_dynamo()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Recorder:

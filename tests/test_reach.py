@@ -7,14 +7,12 @@ that is no attention is no site.
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from qattn_compile import _compat
 from qattn_compile.policy import load_policy
 from qattn_compile.report import FALLBACK, REWRITTEN
 from qattn_compile.rewrite import rewrite_attention
@@ -23,11 +21,7 @@ B, H, L, D = 2, 4, 9, 8
 EXACT = dict(rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    _compat.reset_dynamo()
-    yield
-    _compat.reset_dynamo()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Recorder:

@@ -21,11 +21,7 @@ from qattn_compile.patterns.site import clean_fqn
 from qattn_compile.report import LEFT_ALONE, REWRITTEN
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    _compat.reset_dynamo()
-    yield
-    _compat.reset_dynamo()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _policy(*rules, default="none"):
